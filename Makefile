@@ -1,0 +1,47 @@
+# One entry for everything: `make demo`, `make test`, `make bench`.
+# Each target creates the virtual environment, installs the project, brings the services up
+# (scripts/services.sh: PostgreSQL, Redis, Apache Kafka; nothing is started when
+# DATABASE_URL, KAFKA_BOOTSTRAP_SERVERS and REDIS_URL are already set) and runs.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SERVICES := eval "$$(bash scripts/services.sh up)"
+PYTEST_ARGS ?=
+
+.PHONY: venv services test lint unit demo bench soak clean down
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[dev,services,otel,compression]'
+	touch $@
+
+services:
+	bash scripts/services.sh up >/dev/null
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+unit: venv
+	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
+
+test: venv lint
+	$(SERVICES); $(PY) -m pytest -rfEs -p no:cacheprovider $(PYTEST_ARGS)
+
+demo: venv
+	$(SERVICES); $(PY) -m example_services.demo $(DEMO_ARGS)
+
+bench: venv
+	$(SERVICES); $(PY) -m bench $(BENCH_ARGS)
+
+down:
+	bash scripts/services.sh down
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

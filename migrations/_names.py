@@ -1,0 +1,53 @@
+"""Which schema and table names the migrations create, and the matching model metadata."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from inbox._table import InboxTable
+from outbox._table import OutboxTable
+from relay._table import RelayTables
+
+__all__ = ["Names", "target_metadata"]
+
+
+@dataclass(frozen=True)
+class Names:
+    """Names of the ledgerbox tables. Each is validated as a SQL identifier when used.
+
+    Read, in order of precedence, from Alembic ``-x`` arguments (``-x schema=app``,
+    ``-x outbox_table=...``, ``-x inbox_table=...``), ``Config.attributes`` (key
+    ``"ledgerbox_names"``), then the environment (``LEDGERBOX_SCHEMA``,
+    ``LEDGERBOX_OUTBOX_TABLE``, ``LEDGERBOX_INBOX_TABLE``).
+    """
+
+    schema: str | None = None
+    outbox_table: str = "outbox"
+    inbox_table: str = "inbox"
+
+    @classmethod
+    def resolve(cls, x_args: Mapping[str, str], attributes: Mapping[str, object]) -> Names:
+        given = attributes.get("ledgerbox_names")
+        base = given if isinstance(given, Names) else cls(
+            schema=os.environ.get("LEDGERBOX_SCHEMA") or None,
+            outbox_table=os.environ.get("LEDGERBOX_OUTBOX_TABLE", "outbox"),
+            inbox_table=os.environ.get("LEDGERBOX_INBOX_TABLE", "inbox"),
+        )
+        return cls(
+            schema=x_args.get("schema", base.schema) or None,
+            outbox_table=x_args.get("outbox_table", base.outbox_table),
+            inbox_table=x_args.get("inbox_table", base.inbox_table),
+        )
+
+
+def target_metadata(names: Names) -> sa.MetaData:
+    """Model metadata of every ledgerbox table under ``names`` (for autogenerate checks)."""
+    metadata = sa.MetaData()
+    OutboxTable(names.outbox_table, schema=names.schema, metadata=metadata)
+    InboxTable(names.inbox_table, schema=names.schema, metadata=metadata)
+    RelayTables(names.outbox_table, schema=names.schema, metadata=metadata)
+    return metadata

@@ -1,0 +1,168 @@
+"""The event envelope (a frozen pydantic model) and its JSON codec.
+
+Payloads are stored as JSON; values that JSON cannot hold exactly are written as strings by
+pydantic's JSON mode (``Decimal('100.10') -> "100.10"``, UUID, ISO 8601 datetimes with their
+offset and microseconds), so a typed payload model reads them back exactly
+(:meth:`EventEnvelope.payload_as`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import uuid
+from collections.abc import Mapping
+from decimal import Decimal
+from typing import Any, TypeVar
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import to_jsonable_python
+
+from outbox._errors import EventValidationError, NaiveDatetimeError
+
+__all__ = ["EventEnvelope", "dumps_payload", "idempotency_key", "to_json_payload"]
+
+M = TypeVar("M", bound=BaseModel)
+
+_KEY_NAMESPACE = uuid.UUID("6f1f2d9e-3b1c-4f51-9a57-2c9c1d0f4b11")
+
+
+class EventEnvelope(BaseModel):
+    """One domain event as written to the outbox and carried on Kafka.
+
+    Attributes
+    ----------
+    event_id : uuid.UUID
+        Unique id of this event (CloudEvents ``id``). Consumers deduplicate on it.
+    idempotency_key : str
+        Stable key from the business identity (see :func:`idempotency_key`): the same business
+        request always yields the same key, so a retried request writes no second event.
+    event_type : str
+        E.g. ``"OrderPlaced"`` (CloudEvents ``type``).
+    topic : str
+        Kafka topic the relay publishes to.
+    partition_key : str
+        Kafka record key; events of one key keep their commit order. Normally the aggregate id.
+    source : str
+        CloudEvents ``source``, e.g. ``"/order-service"``.
+    aggregate_type, aggregate_id : str
+        The aggregate the event belongs to.
+    aggregate_version : int | None
+        Version of the aggregate after the change, or ``None`` when not versioned.
+    occurred_at : datetime
+        Timezone-aware event time; naive datetimes are rejected.
+    payload : dict
+        JSON-ready payload (only str, int, float, bool, None, list, dict).
+    headers : dict[str, str]
+        Extra headers (e.g. W3C ``traceparent``), carried as Kafka headers.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    event_id: uuid.UUID
+    idempotency_key: str = Field(min_length=1, max_length=1024)
+    event_type: str = Field(min_length=1, max_length=255)
+    topic: str = Field(min_length=1, max_length=249)
+    partition_key: str = Field(min_length=1, max_length=1024)
+    source: str = Field(min_length=1, max_length=1024)
+    aggregate_type: str = Field(min_length=1, max_length=255)
+    aggregate_id: str = Field(min_length=1, max_length=1024)
+    aggregate_version: int | None = None
+    occurred_at: AwareDatetime
+    payload: dict[str, Any]
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    def payload_as(self, model: type[M]) -> M:
+        """Validate the payload into ``model`` (e.g. restores ``Decimal`` and ``UUID`` exactly).
+
+        Raises
+        ------
+        EventValidationError
+            If the payload does not fit ``model``.
+        """
+        try:
+            return model.model_validate(self.payload)
+        except ValidationError as exc:
+            raise EventValidationError(
+                f"payload of {self.event_type} does not fit {model.__name__}: {exc}"
+            ) from exc
+
+
+def idempotency_key(*parts: str | int | uuid.UUID | Decimal) -> str:
+    """Derive a stable idempotency key from the business identity of a request.
+
+    Example: ``idempotency_key("payment", merchant_id, client_request_id)``.
+    The key is a name-based UUID (RFC 4122 version 5) over the parts, so it is the same on
+    every retry and on every machine. Never pass attempt counters, clocks or random values:
+    they make each retry a new event.
+
+    Raises
+    ------
+    EventValidationError
+        If no part is given, a part is empty, or a part is a float, datetime or bool (values
+        whose text form is not a stable identity).
+    """
+    if not parts:
+        raise EventValidationError("idempotency_key() needs at least one part")
+    texts: list[str] = []
+    for part in parts:
+        if isinstance(part, bool | float | dt.datetime | dt.date) or not isinstance(
+            part, str | int | uuid.UUID | Decimal
+        ):
+            raise EventValidationError(
+                f"idempotency key part {part!r} ({type(part).__name__}) is not a stable identity"
+            )
+        text = str(part)
+        if not text:
+            raise EventValidationError("idempotency key parts must not be empty")
+        texts.append(f"{len(text)}:{text}")
+    digest = hashlib.sha256("|".join(texts).encode()).hexdigest()
+    return f"{texts[0].split(':', 1)[1]}:{uuid.uuid5(_KEY_NAMESPACE, digest)}"
+
+
+def _check_aware(value: Any, path: str) -> None:
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None or value.tzinfo.utcoffset(value) is None:
+            raise NaiveDatetimeError(path)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_aware(item, f"{path}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check_aware(item, f"{path}[{index}]")
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            _check_aware(getattr(value, name), f"{path}.{name}")
+
+
+def to_json_payload(payload: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
+    """Turn a pydantic model or a mapping into a JSON-ready dict.
+
+    Raises
+    ------
+    NaiveDatetimeError
+        If any datetime in the payload has no timezone.
+    EventValidationError
+        If the payload is not a model or mapping, or holds a value JSON cannot carry.
+    """
+    _check_aware(payload, "payload")
+    if isinstance(payload, BaseModel):
+        result = payload.model_dump(mode="json")
+    elif isinstance(payload, Mapping):
+        try:
+            result = to_jsonable_python(dict(payload))
+        except Exception as exc:  # pydantic_core raises a bare PydanticSerializationError
+            raise EventValidationError(f"payload is not JSON-serializable: {exc}") from exc
+    else:
+        raise EventValidationError(
+            f"payload must be a pydantic model or a mapping, got {type(payload).__name__}"
+        )
+    if not isinstance(result, dict) or not all(isinstance(k, str) for k in result):
+        raise EventValidationError("payload must serialize to a JSON object with string keys")
+    return result
+
+
+def dumps_payload(payload: Mapping[str, Any]) -> bytes:
+    """Compact UTF-8 JSON of a JSON-ready payload (the bytes the size limit applies to)."""
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")

@@ -1,0 +1,181 @@
+"""The outbox table: SQLAlchemy Core metadata, its ORM mapping for ``Session.add``, and DDL.
+
+The relay owns the publication columns (``status``, ``attempts``, ``published_at``,
+``last_error``); producers only ever insert. See ``../DESIGN.md`` section 2.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql as pg
+from sqlalchemy.orm import registry
+
+from outbox._identifiers import sql_identifier
+
+__all__ = ["DEFAULT_SHARD_COUNT", "EventStatus", "OutboxTable", "shard_of"]
+
+#: Number of virtual shards the key space is cut into. Fixed for the life of a table: a relay
+#: owns whole shards, and per-key order holds because a key never changes shard.
+DEFAULT_SHARD_COUNT = 64
+
+
+class EventStatus(enum.IntEnum):
+    """State of an outbox row. Transitions: PENDING -> PUBLISHED, PENDING -> DEAD -> PENDING."""
+
+    PENDING = 0
+    PUBLISHED = 1
+    DEAD = 2
+
+
+def shard_of(partition_key: str, shard_count: int = DEFAULT_SHARD_COUNT) -> int:
+    """Map a partition key to its shard, ``0 <= shard < shard_count``.
+
+    CRC-32 of the UTF-8 key: stable across processes, machines and Python versions (unlike
+    ``hash()``), so every writer agrees on the shard of a key.
+    """
+    return zlib.crc32(partition_key.encode("utf-8")) % shard_count
+
+
+class _OutboxRow:
+    """Base of the per-table mapped classes; rows are created by the writer only."""
+
+    def __init__(self, **values: Any) -> None:
+        for key, value in values.items():
+            setattr(self, key, value)
+
+
+class OutboxTable:
+    """One outbox table: its name, schema, Core ``Table`` and ORM mapping.
+
+    Parameters
+    ----------
+    name : str
+        Table name, a lower-case SQL identifier (default ``"outbox"``).
+    schema : str | None
+        Schema, a lower-case SQL identifier, or ``None`` for the connection's search path.
+    metadata : sqlalchemy.MetaData | None
+        Metadata to attach the table to (e.g. your own ``Base.metadata`` so Alembic's
+        autogenerate sees it); a private one when ``None``.
+    shard_count : int
+        Number of relay shards (default 64). Must never change once rows exist.
+
+    Raises
+    ------
+    ConfigurationError
+        If ``name`` or ``schema`` is not a valid identifier, or ``shard_count`` is not in
+        ``1..32767``.
+    """
+
+    def __init__(
+        self,
+        name: str = "outbox",
+        *,
+        schema: str | None = None,
+        metadata: sa.MetaData | None = None,
+        shard_count: int = DEFAULT_SHARD_COUNT,
+    ) -> None:
+        from outbox._errors import ConfigurationError
+
+        self.name = sql_identifier(name, "outbox table name")
+        self.schema = None if schema is None else sql_identifier(schema, "schema")
+        if not 1 <= shard_count <= 32767:
+            raise ConfigurationError(f"shard_count must be in 1..32767, got {shard_count}")
+        self.shard_count = shard_count
+        self.metadata = metadata if metadata is not None else sa.MetaData()
+        self.table = _define_table(self.metadata, self.name, self.schema)
+        self.row_class: type[_OutboxRow] = type(f"OutboxRow_{self.name}", (_OutboxRow,), {})
+        registry().map_imperatively(self.row_class, self.table)
+
+    @property
+    def qualified_name(self) -> str:
+        """``schema.name`` or ``name``; both parts are validated identifiers."""
+        return f"{self.schema}.{self.name}" if self.schema else self.name
+
+    @property
+    def notify_channel(self) -> str:
+        """The LISTEN/NOTIFY channel the write path signals at commit (a quoted identifier)."""
+        return f"{self.name}_{self.schema or 'default'}_ledgerbox"
+
+    @property
+    def idempotency_constraint(self) -> str:
+        """Name of the UNIQUE constraint on ``idempotency_key`` (to classify 23505 errors)."""
+        return f"uq_{self.name}_idempotency_key"
+
+    def notify_ddl(self) -> list[str]:
+        """SQL creating the statement-level trigger that NOTIFYs at most once per transaction.
+
+        ``pg_notify`` is transactional: delivered at COMMIT, dropped at ROLLBACK (PostgreSQL
+        docs, NOTIFY). A transaction-local setting guards it so a transaction with many
+        inserts still signals once.
+        """
+        fn = f"{self.schema + '.' if self.schema else ''}{self.name}_notify"
+        guard = f"ledgerbox.notified_{self.name}"
+        return [
+            f"""CREATE OR REPLACE FUNCTION {fn}() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF current_setting('{guard}', true) IS DISTINCT FROM '1' THEN
+    PERFORM set_config('{guard}', '1', true);
+    PERFORM pg_notify('{self.notify_channel}', '');
+  END IF;
+  RETURN NULL;
+END
+$$""",
+            f"""CREATE TRIGGER {self.name}_notify AFTER INSERT ON {self.qualified_name}
+FOR EACH STATEMENT EXECUTE FUNCTION {fn}()""",
+        ]
+
+    def drop_notify_ddl(self) -> list[str]:
+        """SQL dropping what :meth:`notify_ddl` created."""
+        fn = f"{self.schema + '.' if self.schema else ''}{self.name}_notify"
+        return [
+            f"DROP TRIGGER IF EXISTS {self.name}_notify ON {self.qualified_name}",
+            f"DROP FUNCTION IF EXISTS {fn}()",
+        ]
+
+
+def _define_table(metadata: sa.MetaData, name: str, schema: str | None) -> sa.Table:
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("id", sa.BigInteger, sa.Identity(always=False), primary_key=True),
+        sa.Column("event_id", pg.UUID(as_uuid=True), nullable=False),
+        sa.Column("idempotency_key", sa.Text, nullable=False),
+        sa.Column("topic", sa.Text, nullable=False),
+        sa.Column("partition_key", sa.Text, nullable=False),
+        sa.Column("shard", sa.SmallInteger, nullable=False),
+        sa.Column("event_type", sa.Text, nullable=False),
+        sa.Column("source", sa.Text, nullable=False),
+        sa.Column("aggregate_type", sa.Text, nullable=False),
+        sa.Column("aggregate_id", sa.Text, nullable=False),
+        sa.Column("aggregate_version", sa.BigInteger, nullable=True),
+        sa.Column("payload", pg.JSONB, nullable=False),
+        sa.Column("headers", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+        sa.Column("occurred_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column(
+            "created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+        ),
+        sa.Column("status", sa.SmallInteger, nullable=False, server_default=sa.text("0")),
+        sa.Column("attempts", sa.Integer, nullable=False, server_default=sa.text("0")),
+        sa.Column("published_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("last_error", sa.Text, nullable=True),
+        sa.UniqueConstraint("event_id", name=f"uq_{name}_event_id"),
+        sa.UniqueConstraint("idempotency_key", name=f"uq_{name}_idempotency_key"),
+        # The relay's "what is left to publish in my shards" query: tiny, only pending rows.
+        sa.Index(
+            f"ix_{name}_pending",
+            "shard",
+            "id",
+            postgresql_where=sa.text("status = 0"),
+        ),
+        # Cleanup of published rows by age, without scanning pending ones.
+        sa.Index(
+            f"ix_{name}_published_at",
+            "published_at",
+            postgresql_where=sa.text("status = 1"),
+        ),
+        schema=schema,
+    )

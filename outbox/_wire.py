@@ -1,0 +1,128 @@
+"""The Kafka record form of an event: CloudEvents Kafka protocol binding, binary content mode.
+
+Record key = partition key (UTF-8), value = payload JSON, timestamp = event time in ms, and
+headers ``ce_specversion``, ``ce_id``, ``ce_type``, ``ce_source``, ``ce_time``,
+``content-type`` plus the extension attributes ``ce_idempotencykey``, ``ce_aggregatetype``,
+``ce_aggregateid``, ``ce_aggregateversion`` and the event's own headers (``traceparent``).
+Source: CloudEvents Kafka Protocol Binding 1.0, section 3.2 (binary content mode).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from outbox._envelope import EventEnvelope
+from outbox._errors import EnvelopeParseError
+
+__all__ = ["CONTENT_TYPE", "envelope_from_kafka", "kafka_headers", "timestamp_ms"]
+
+CONTENT_TYPE = "application/json"
+_SPEC_VERSION = b"1.0"
+_H_ID = "ce_id"
+_H_TYPE = "ce_type"
+_H_SOURCE = "ce_source"
+_H_TIME = "ce_time"
+_H_SPEC = "ce_specversion"
+_H_CONTENT_TYPE = "content-type"
+_H_KEY = "ce_idempotencykey"
+_H_AGG_TYPE = "ce_aggregatetype"
+_H_AGG_ID = "ce_aggregateid"
+_H_AGG_VERSION = "ce_aggregateversion"
+_KNOWN = frozenset(
+    {_H_ID, _H_TYPE, _H_SOURCE, _H_TIME, _H_SPEC, _H_CONTENT_TYPE, _H_KEY, _H_AGG_TYPE}
+    | {_H_AGG_ID, _H_AGG_VERSION}
+)
+
+
+def kafka_headers(
+    *,
+    event_id: uuid.UUID | str,
+    event_type: str,
+    source: str,
+    occurred_at: dt.datetime,
+    idempotency_key: str,
+    aggregate_type: str,
+    aggregate_id: str,
+    aggregate_version: int | None,
+    extra: Mapping[str, str] | None = None,
+) -> list[tuple[str, bytes]]:
+    """Kafka headers (``str`` keys, ``bytes`` values) for one event."""
+    headers = [
+        (_H_SPEC, _SPEC_VERSION),
+        (_H_ID, str(event_id).encode()),
+        (_H_TYPE, event_type.encode()),
+        (_H_SOURCE, source.encode()),
+        (_H_TIME, occurred_at.isoformat().encode()),
+        (_H_CONTENT_TYPE, b"application/json"),
+        (_H_KEY, idempotency_key.encode()),
+        (_H_AGG_TYPE, aggregate_type.encode()),
+        (_H_AGG_ID, aggregate_id.encode()),
+    ]
+    if aggregate_version is not None:
+        headers.append((_H_AGG_VERSION, str(aggregate_version).encode()))
+    if extra:
+        headers.extend((k, v.encode()) for k, v in extra.items() if k not in _KNOWN)
+    return headers
+
+
+def timestamp_ms(occurred_at: dt.datetime) -> int:
+    """Kafka record timestamp: milliseconds since the Unix epoch."""
+    return int(occurred_at.timestamp() * 1000)
+
+
+def envelope_from_kafka(
+    topic: str,
+    key: bytes | None,
+    value: bytes | None,
+    headers: Sequence[tuple[str, bytes]],
+) -> EventEnvelope:
+    """Parse a Kafka record written by the relay back into an :class:`EventEnvelope`.
+
+    Raises
+    ------
+    EnvelopeParseError
+        The value is not a JSON object, a required CloudEvents header is missing, or a
+        field is invalid. The message says which.
+    """
+    try:
+        found: dict[str, str] = {k: v.decode("utf-8") for k, v in headers}
+    except (UnicodeDecodeError, AttributeError) as exc:
+        raise EnvelopeParseError(f"headers are not UTF-8 text: {exc}") from exc
+    if value is None:
+        raise EnvelopeParseError("record has no value (tombstone)")
+    try:
+        payload: Any = json.loads(value)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EnvelopeParseError(f"value is not JSON: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise EnvelopeParseError(f"value is JSON {type(payload).__name__}, expected an object")
+    missing = [h for h in (_H_ID, _H_TYPE, _H_SOURCE, _H_TIME, _H_KEY) if h not in found]
+    if missing:
+        raise EnvelopeParseError(f"missing CloudEvents headers: {', '.join(missing)}")
+    if found.get(_H_SPEC, "1.0") != "1.0":
+        raise EnvelopeParseError(f"unsupported ce_specversion {found[_H_SPEC]!r}")
+    try:
+        partition_key = key.decode("utf-8") if key is not None else found.get(_H_AGG_ID, "")
+        version = found.get(_H_AGG_VERSION)
+        return EventEnvelope(
+            event_id=uuid.UUID(found[_H_ID]),
+            idempotency_key=found[_H_KEY],
+            event_type=found[_H_TYPE],
+            topic=topic,
+            partition_key=partition_key,
+            source=found[_H_SOURCE],
+            aggregate_type=found.get(_H_AGG_TYPE, "unknown"),
+            aggregate_id=found.get(_H_AGG_ID, partition_key),
+            aggregate_version=int(version) if version is not None else None,
+            occurred_at=dt.datetime.fromisoformat(found[_H_TIME]),
+            payload=payload,
+            headers={k: v for k, v in found.items() if k not in _KNOWN},
+        )
+    except (ValueError, ValidationError, UnicodeDecodeError) as exc:
+        raise EnvelopeParseError(f"invalid event fields: {exc}") from exc

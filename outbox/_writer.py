@@ -1,0 +1,319 @@
+"""The write path: stage events into the caller's transaction.
+
+Guarantee (G1, ``../DESIGN.md``): an event staged with this module is part of the caller's
+transaction. If the transaction commits, the event is in the outbox and the relay will publish
+it; if it rolls back, so too is the event, and nothing reaches Kafka. Nothing here commits.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from pydantic import BaseModel, ValidationError
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.orm import Session
+
+from outbox._envelope import EventEnvelope, dumps_payload, to_json_payload
+from outbox._errors import (
+    ConfigurationError,
+    EventValidationError,
+    NaiveDatetimeError,
+    PayloadTooLargeError,
+)
+from outbox._routing import TopicRouter
+from outbox._table import OutboxTable, shard_of
+from outbox._trace import current_trace_headers
+
+__all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "OutboxWriter", "Staged", "envelope_from_row"]
+
+#: Kafka's default ``max.message.bytes`` (1 MiB): a larger payload would be refused by the
+#: broker long after the business transaction committed, so it is refused at write time.
+DEFAULT_MAX_PAYLOAD_BYTES = 1_048_576
+
+_EVENT_ID_NAMESPACE = uuid.UUID("0b7c6d49-4b0e-4c6a-8f3e-9d2a41c7e0a5")
+_SQLSTATE_UNIQUE_VIOLATION = "23505"
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """Result of :meth:`OutboxWriter.stage_once`.
+
+    Attributes
+    ----------
+    created : bool
+        ``True`` if this call inserted the event; ``False`` if an event with the same
+        idempotency key was already committed (or is being committed by a concurrent
+        transaction that then committed), in which case nothing was written.
+    event : EventEnvelope
+        The event now stored under that key: the one just staged, or the FIRST one written
+        (its payload carries the first request's result, e.g. the order id to answer with).
+    """
+
+    created: bool
+    event: EventEnvelope
+
+
+class OutboxWriter:
+    """Builds events and stages them into the caller's open transaction.
+
+    Parameters
+    ----------
+    router : TopicRouter
+        Chooses the topic of each event.
+    source : str
+        CloudEvents ``source`` of this service, e.g. ``"/order-service"``.
+    table : OutboxTable | None
+        The outbox table (default: ``OutboxTable()``, i.e. ``outbox`` on the search path).
+    max_payload_bytes : int
+        Largest serialized payload accepted, in bytes (default 1 MiB).
+
+    Raises
+    ------
+    ConfigurationError
+        If ``max_payload_bytes`` is not positive or ``source`` is empty.
+    """
+
+    def __init__(
+        self,
+        router: TopicRouter,
+        *,
+        source: str,
+        table: OutboxTable | None = None,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    ) -> None:
+        if max_payload_bytes <= 0:
+            raise ConfigurationError(f"max_payload_bytes must be > 0, got {max_payload_bytes}")
+        if not source:
+            raise ConfigurationError("source must not be empty")
+        self.router = router
+        self.source = source
+        self.table = table if table is not None else OutboxTable()
+        self.max_payload_bytes = max_payload_bytes
+
+    # -- building events ------------------------------------------------------------------
+
+    def event(
+        self,
+        *,
+        event_type: str,
+        aggregate_type: str,
+        aggregate_id: str | int | uuid.UUID,
+        payload: BaseModel | Mapping[str, Any],
+        idempotency_key: str,
+        aggregate_version: int | None = None,
+        partition_key: str | None = None,
+        occurred_at: dt.datetime | None = None,
+        event_id: uuid.UUID | None = None,
+        headers: Mapping[str, str] | None = None,
+        topic: str | None = None,
+    ) -> EventEnvelope:
+        """Build a validated envelope (no I/O).
+
+        Parameters
+        ----------
+        idempotency_key : str
+            From the business identity (see :func:`outbox.idempotency_key`).
+        partition_key : str | None
+            Kafka key; defaults to ``aggregate_id`` so one aggregate keeps its order.
+        occurred_at : datetime | None
+            Timezone-aware event time; defaults to now (UTC).
+        event_id : uuid.UUID | None
+            Defaults to a UUIDv5 of the idempotency key, so a retried request that somehow
+            reached a second write carries the same event id and consumers drop it.
+        headers : Mapping[str, str] | None
+            Extra Kafka headers. The active OpenTelemetry span's ``traceparent`` is added.
+        topic : str | None
+            Overrides the router.
+
+        Raises
+        ------
+        NaiveDatetimeError
+            ``occurred_at`` or a datetime in the payload has no timezone.
+        UnroutedEventError
+            No route for ``event_type`` / ``aggregate_type`` and no ``topic`` given.
+        EventValidationError
+            Any other invalid field (empty strings, non-JSON payload values).
+        """
+        if occurred_at is not None and (
+            occurred_at.tzinfo is None or occurred_at.tzinfo.utcoffset(occurred_at) is None
+        ):
+            raise NaiveDatetimeError("occurred_at")
+        json_payload = to_json_payload(payload)
+        all_headers = {**current_trace_headers(), **(headers or {})}
+        try:
+            return EventEnvelope(
+                event_id=event_id or uuid.uuid5(_EVENT_ID_NAMESPACE, idempotency_key),
+                idempotency_key=idempotency_key,
+                event_type=event_type,
+                topic=topic if topic is not None else self.router.route(event_type, aggregate_type),
+                partition_key=partition_key if partition_key is not None else str(aggregate_id),
+                source=self.source,
+                aggregate_type=aggregate_type,
+                aggregate_id=str(aggregate_id),
+                aggregate_version=aggregate_version,
+                occurred_at=occurred_at or dt.datetime.now(dt.UTC),
+                payload=json_payload,
+                headers=all_headers,
+            )
+        except ValidationError as exc:
+            raise EventValidationError(f"invalid event {event_type!r}: {exc}") from exc
+
+    # -- staging ----------------------------------------------------------------------------
+
+    def stage(self, target: Session | AsyncSession | Connection, event: EventEnvelope) -> None:
+        """Stage one event in the caller's transaction. Never flushes, never commits.
+
+        With a ``Session`` or ``AsyncSession`` this only calls ``session.add`` (no I/O; the
+        row is inserted at the session's next flush, at the latest at commit). With a Core
+        ``Connection`` the INSERT runs now, inside the connection's open transaction.
+
+        Guarantee: the event exists if and only if the caller's transaction commits.
+
+        A second event with an already-written idempotency key fails the flush or commit with
+        ``sqlalchemy.exc.IntegrityError``; :meth:`is_duplicate` recognises it (SQLSTATE 23505
+        on the idempotency constraint). Use :meth:`stage_once` to learn it before committing.
+
+        Raises
+        ------
+        PayloadTooLargeError
+            The payload exceeds ``max_payload_bytes``; nothing is staged.
+        """
+        self.stage_many(target, (event,))
+
+    def stage_many(
+        self, target: Session | AsyncSession | Connection, events: Iterable[EventEnvelope]
+    ) -> None:
+        """Stage several events in order, as :meth:`stage` (one multi-row INSERT on flush).
+
+        Raises
+        ------
+        PayloadTooLargeError
+            Any payload exceeds ``max_payload_bytes``; none of the events is staged.
+        """
+        rows = [self._row(event) for event in events]
+        if not rows:
+            return
+        if isinstance(target, Connection):
+            target.execute(sa.insert(self.table.table), rows)
+            return
+        session = target
+        session.add_all([self.table.row_class(**row) for row in rows])
+
+    def stage_once(self, target: Session | Connection, event: EventEnvelope) -> Staged:
+        """Insert the event now unless its idempotency key exists; never commits.
+
+        Runs ``INSERT ... ON CONFLICT (idempotency_key) DO NOTHING`` in the caller's open
+        transaction (one round trip; the session is not flushed). If a concurrent transaction
+        holds the same key, this waits for it: if it commits, this returns the duplicate; if
+        it rolls back, this inserts.
+
+        Call it before writing the business rows: when ``created`` is ``False``, roll back
+        and answer the retried request from ``Staged.event``.
+
+        Returns
+        -------
+        Staged
+            ``created`` and the event stored under the key.
+
+        Raises
+        ------
+        PayloadTooLargeError
+            The payload exceeds ``max_payload_bytes``; nothing is written.
+        """
+        row = self._row(event)
+        result = target.execute(self._insert_once(row))
+        if result.first() is not None:
+            return Staged(created=True, event=event)
+        existing = target.execute(self._select_by_key(event.idempotency_key)).mappings().one()
+        return Staged(created=False, event=envelope_from_row(existing))
+
+    async def astage_once(
+        self, target: AsyncSession | AsyncConnection, event: EventEnvelope
+    ) -> Staged:
+        """The ``async`` form of :meth:`stage_once` for ``AsyncSession`` / ``AsyncConnection``."""
+        row = self._row(event)
+        result = await target.execute(self._insert_once(row))
+        if result.first() is not None:
+            return Staged(created=True, event=event)
+        existing = (await target.execute(self._select_by_key(event.idempotency_key))).mappings()
+        return Staged(created=False, event=envelope_from_row(existing.one()))
+
+    def is_duplicate(self, exc: BaseException) -> bool:
+        """True if ``exc`` (or its cause) is a unique violation of this table's idempotency key.
+
+        Classified by SQLSTATE 23505 and the constraint name, never by message text.
+        """
+        seen: set[int] = set()
+        current: BaseException | None = exc
+        while current is not None and id(current) not in seen:
+            seen.add(id(current))
+            if isinstance(current, IntegrityError):
+                current = current.orig
+                continue
+            if getattr(current, "sqlstate", None) == _SQLSTATE_UNIQUE_VIOLATION:
+                diag = getattr(current, "diag", None)
+                constraint = getattr(diag, "constraint_name", None)
+                return bool(constraint == self.table.idempotency_constraint)
+            current = current.__cause__
+        return False
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _row(self, event: EventEnvelope) -> dict[str, Any]:
+        size = len(dumps_payload(event.payload))
+        if size > self.max_payload_bytes:
+            raise PayloadTooLargeError(size, self.max_payload_bytes)
+        return {
+            "event_id": event.event_id,
+            "idempotency_key": event.idempotency_key,
+            "topic": event.topic,
+            "partition_key": event.partition_key,
+            "shard": shard_of(event.partition_key, self.table.shard_count),
+            "event_type": event.event_type,
+            "source": event.source,
+            "aggregate_type": event.aggregate_type,
+            "aggregate_id": event.aggregate_id,
+            "aggregate_version": event.aggregate_version,
+            "payload": event.payload,
+            "headers": event.headers,
+            "occurred_at": event.occurred_at,
+        }
+
+    def _insert_once(self, row: dict[str, Any]) -> sa.Executable:
+        table = self.table.table
+        return (
+            pg_insert(table)
+            .values(**row)
+            .on_conflict_do_nothing(index_elements=[table.c.idempotency_key])
+            .returning(table.c.id)
+        )
+
+    def _select_by_key(self, key: str) -> sa.Select[Any]:
+        table = self.table.table
+        return sa.select(table).where(table.c.idempotency_key == key)
+
+
+def envelope_from_row(row: Mapping[Any, Any]) -> EventEnvelope:
+    """Rebuild the envelope from an outbox row mapping (as read with ``select(table)``)."""
+    return EventEnvelope(
+        event_id=row["event_id"],
+        idempotency_key=row["idempotency_key"],
+        event_type=row["event_type"],
+        topic=row["topic"],
+        partition_key=row["partition_key"],
+        source=row["source"],
+        aggregate_type=row["aggregate_type"],
+        aggregate_id=row["aggregate_id"],
+        aggregate_version=row["aggregate_version"],
+        occurred_at=row["occurred_at"],
+        payload=row["payload"],
+        headers=row["headers"],
+    )
