@@ -117,7 +117,7 @@ as_pg() {
 # grant search-only permission (o+x, no read) on the ancestors that block it.
 ensure_pg_traversable() {
   is_root || return 0
-  local d="$PG_DIR" dirs=() i
+  local d="$PG_DIR" dirs=()
   while [ "$d" != "/" ] && [ -n "$d" ]; do dirs=("$d" "${dirs[@]}"); d="$(dirname "$d")"; done
   for d in "${dirs[@]}"; do
     if ! runuser -u postgres -- test -x "$d" 2>/dev/null; then
@@ -440,8 +440,7 @@ start_kafka() {
       -Dkafka.logs.dir="$KAFKA_DIR/logs" -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" \
       -cp "$KAFKA_LIBS/*" kafka.Kafka "$KAFKA_PROPS" \
       >>"$KAFKA_DIR/logs/stdout.log" 2>&1 </dev/null 3>&- 9>&-) &
-    local i
-    for i in $(seq 1 50); do pid="$(kafka_pid)" && break; sleep 0.1; done
+    for _ in $(seq 1 50); do pid="$(kafka_pid)" && break; sleep 0.1; done
     [ -n "${pid:-}" ] || { show_log "$KAFKA_DIR/logs/stdout.log"; show_log "$KAFKA_DIR/logs/server.log"; die "Kafka JVM did not start"; }
   fi
   local deadline=$((SECONDS + TIMEOUT))
