@@ -32,10 +32,14 @@ class Names:
     @classmethod
     def resolve(cls, x_args: Mapping[str, str], attributes: Mapping[str, object]) -> Names:
         given = attributes.get("ledgerbox_names")
-        base = given if isinstance(given, Names) else cls(
-            schema=os.environ.get("LEDGERBOX_SCHEMA") or None,
-            outbox_table=os.environ.get("LEDGERBOX_OUTBOX_TABLE", "outbox"),
-            inbox_table=os.environ.get("LEDGERBOX_INBOX_TABLE", "inbox"),
+        base = (
+            given
+            if isinstance(given, Names)
+            else cls(
+                schema=os.environ.get("LEDGERBOX_SCHEMA") or None,
+                outbox_table=os.environ.get("LEDGERBOX_OUTBOX_TABLE", "outbox"),
+                inbox_table=os.environ.get("LEDGERBOX_INBOX_TABLE", "inbox"),
+            )
         )
         return cls(
             schema=x_args.get("schema", base.schema) or None,

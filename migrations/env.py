@@ -7,6 +7,7 @@ from alembic import context
 
 from migrations import VERSION_TABLE
 from migrations._names import Names, target_metadata
+from outbox._identifiers import sql_identifier
 
 config = context.config
 names = Names.resolve(context.get_x_argument(as_dictionary=True), config.attributes)
@@ -19,9 +20,18 @@ def run_migrations_online() -> None:
         url = config.get_main_option("sqlalchemy.url")
         assert url, "set sqlalchemy.url (alembic.ini or migrations.alembic_config)"
         connectable = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    with connectable.connect() if isinstance(connectable, sa.Engine) else _nullctx(
-        connectable
-    ) as connection:
+    with (
+        connectable.connect()
+        if isinstance(connectable, sa.Engine)
+        else _nullctx(connectable) as connection
+    ):
+        if names.schema:
+            # The version table lives in the schema, so the schema must exist before Alembic
+            # looks for it; the name is a validated identifier.
+            connection.execute(
+                sa.text(f"CREATE SCHEMA IF NOT EXISTS {sql_identifier(names.schema, 'schema')}")
+            )
+            connection.commit()
         context.configure(
             connection=connection,
             target_metadata=target_metadata(names),

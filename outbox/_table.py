@@ -105,6 +105,11 @@ class OutboxTable:
         """Name of the UNIQUE constraint on ``idempotency_key`` (to classify 23505 errors)."""
         return f"uq_{self.name}_idempotency_key"
 
+    @property
+    def duplicate_constraints(self) -> frozenset[str]:
+        """Constraints whose violation means "this event was already written"."""
+        return frozenset({self.idempotency_constraint, f"uq_{self.name}_event_id"})
+
     def notify_ddl(self) -> list[str]:
         """SQL creating the statement-level trigger that NOTIFYs at most once per transaction.
 

@@ -247,9 +247,11 @@ class OutboxWriter:
         return Staged(created=False, event=envelope_from_row(existing.one()))
 
     def is_duplicate(self, exc: BaseException) -> bool:
-        """True if ``exc`` (or its cause) is a unique violation of this table's idempotency key.
+        """True if ``exc`` (or its cause) says this event was already written.
 
-        Classified by SQLSTATE 23505 and the constraint name, never by message text.
+        That is a unique violation (SQLSTATE 23505) of the idempotency-key constraint or of the
+        event-id constraint (event ids derive from idempotency keys, so PostgreSQL may report
+        either). Classified by SQLSTATE and constraint name, never by message text.
         """
         seen: set[int] = set()
         current: BaseException | None = exc
@@ -261,7 +263,7 @@ class OutboxWriter:
             if getattr(current, "sqlstate", None) == _SQLSTATE_UNIQUE_VIOLATION:
                 diag = getattr(current, "diag", None)
                 constraint = getattr(diag, "constraint_name", None)
-                return bool(constraint == self.table.idempotency_constraint)
+                return constraint in self.table.duplicate_constraints
             current = current.__cause__
         return False
 

@@ -1,0 +1,291 @@
+"""The outbox write path against a real PostgreSQL (G1, C07 producer half, C08 duplicate half)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import threading
+import uuid
+from decimal import Decimal
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from pydantic import AwareDatetime, BaseModel
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
+
+import migrations
+from outbox import (
+    EventEnvelope,
+    EventStatus,
+    OutboxTable,
+    OutboxWriter,
+    PayloadTooLargeError,
+    TopicRouter,
+    envelope_from_row,
+    idempotency_key,
+    shard_of,
+)
+
+TABLE = OutboxTable()
+WRITER = OutboxWriter(TopicRouter(default="orders.events"), source="/order-service", table=TABLE)
+
+
+class Money(BaseModel):
+    amount: Decimal
+    order_id: uuid.UUID
+    at: AwareDatetime
+
+
+@pytest.fixture(scope="module")
+def orders(engine: Engine) -> sa.Table:
+    metadata = sa.MetaData()
+    table = sa.Table(
+        "orders",
+        metadata,
+        sa.Column("id", sa.Integer, primary_key=True),
+        sa.Column("amount", sa.Numeric(12, 2), nullable=False),
+    )
+    metadata.create_all(engine)
+    return table
+
+
+@pytest.fixture(autouse=True)
+def _empty(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE outbox"))
+        conn.execute(sa.text("DROP TABLE IF EXISTS orders_tmp"))
+
+
+def _event(n: int, payload: object | None = None, key: str | None = None) -> EventEnvelope:
+    return WRITER.event(
+        event_type="OrderPlaced",
+        aggregate_type="order",
+        aggregate_id=n,
+        aggregate_version=1,
+        payload=payload if payload is not None else {"order_id": n},  # type: ignore[arg-type]
+        idempotency_key=key or idempotency_key("order", n),
+    )
+
+
+def _count(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one())
+
+
+def test_g1_commit_writes_the_row_rollback_writes_nothing_sync_session(
+    engine: Engine, orders: sa.Table
+) -> None:
+    with Session(engine) as session, session.begin():
+        session.execute(orders.insert().values(id=1, amount=Decimal("10.00")))
+        WRITER.stage(session, _event(1))
+    with pytest.raises(RuntimeError), Session(engine) as session, session.begin():
+        session.execute(orders.insert().values(id=2, amount=Decimal("10.00")))
+        WRITER.stage(session, _event(2))
+        session.flush()  # the row reached the database before the rollback
+        raise RuntimeError("business rule failed")
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(TABLE.table)).mappings().all()
+    assert [r["aggregate_id"] for r in rows] == ["1"]
+    row = rows[0]
+    assert row["status"] == EventStatus.PENDING
+    assert row["shard"] == shard_of("1")
+    assert row["topic"] == "orders.events" and row["source"] == "/order-service"
+    assert row["published_at"] is None
+
+
+def test_g1_core_connection_and_stage_many(engine: Engine) -> None:
+    with engine.begin() as conn:
+        WRITER.stage_many(conn, [_event(10), _event(11), _event(12)])
+    with pytest.raises(RuntimeError), engine.begin() as conn:
+        WRITER.stage(conn, _event(13))
+        raise RuntimeError
+    with engine.connect() as conn:
+        ids = conn.execute(sa.text("SELECT aggregate_id FROM outbox ORDER BY id")).scalars().all()
+    assert ids == ["10", "11", "12"]
+
+
+async def test_g1_async_session(async_engine: AsyncEngine, engine: Engine) -> None:
+    async with AsyncSession(async_engine) as session, session.begin():
+        WRITER.stage(session, _event(20))
+    with pytest.raises(RuntimeError):
+        async with AsyncSession(async_engine) as session, session.begin():
+            WRITER.stage(session, _event(21))
+            await session.flush()
+            raise RuntimeError
+    assert _count(engine) == 1
+
+
+def test_c07_uncommitted_event_is_invisible_to_other_transactions(engine: Engine) -> None:
+    """Producer half of C07: until COMMIT no other transaction (the relay) can see the row."""
+    with Session(engine) as producer:
+        producer.begin()
+        WRITER.stage(producer, _event(30))
+        producer.flush()
+        assert _count(engine) == 0  # the relay's view while the producer waits before COMMIT
+        producer.commit()
+    assert _count(engine) == 1
+    with Session(engine) as producer:
+        producer.begin()
+        WRITER.stage(producer, _event(31))
+        producer.flush()
+        producer.rollback()
+    assert _count(engine) == 1
+
+
+def test_c08_same_idempotency_key_twice_writes_one_row_and_returns_the_first(
+    engine: Engine,
+) -> None:
+    key = idempotency_key("order", "customer-1", "http-key-1")
+    with Session(engine) as session, session.begin():
+        first = WRITER.stage_once(session, _event(40, {"order_id": 40}, key))
+    assert first.created
+    with Session(engine) as session, session.begin():
+        retry = WRITER.stage_once(session, _event(41, {"order_id": 41}, key))
+    assert not retry.created
+    assert retry.event.payload == {"order_id": 40}
+    assert retry.event.event_id == first.event.event_id
+    assert _count(engine) == 1
+
+
+def test_c08_plain_stage_duplicate_fails_the_commit_and_is_recognised(engine: Engine) -> None:
+    key = idempotency_key("order", "customer-2", "http-key-2")
+    with Session(engine) as session, session.begin():
+        WRITER.stage(session, _event(50, key=key))
+    with pytest.raises(IntegrityError) as info, Session(engine) as session, session.begin():
+        WRITER.stage(session, _event(51, key=key))
+    assert WRITER.is_duplicate(info.value)
+    assert _count(engine) == 1
+    # A unique violation of another constraint is not an idempotency duplicate.
+    with pytest.raises(IntegrityError) as other, engine.begin() as conn:
+        conn.execute(sa.text("CREATE TEMP TABLE u (x int UNIQUE)"))
+        conn.execute(sa.text("INSERT INTO u VALUES (1), (1)"))
+    assert not WRITER.is_duplicate(other.value)
+
+
+def test_c08_concurrent_duplicate_waits_for_the_first_and_sees_it(engine: Engine) -> None:
+    key = idempotency_key("order", "customer-3", "http-key-3")
+    inserted = threading.Event()
+    results: list[bool] = []
+
+    def second() -> None:
+        inserted.wait(10)
+        with Session(engine) as session, session.begin():
+            results.append(WRITER.stage_once(session, _event(61, key=key)).created)
+
+    worker = threading.Thread(target=second)
+    worker.start()
+    with Session(engine) as session, session.begin():
+        assert WRITER.stage_once(session, _event(60, key=key)).created
+        inserted.set()
+        worker.join(0.5)
+        assert worker.is_alive()  # blocked on the unique index until we commit
+    worker.join(20)
+    assert results == [False]
+    assert _count(engine) == 1
+
+
+def test_decimal_uuid_and_aware_microsecond_datetime_round_trip_exactly(engine: Engine) -> None:
+    original = Money(
+        amount=Decimal("100.10"),
+        order_id=uuid.UUID("0a8f2c1e-5b7d-4e3f-9a21-7c6d5e4f3a2b"),
+        at=dt.datetime(
+            2026, 11, 29, 23, 59, 59, 999999, tzinfo=dt.timezone(-dt.timedelta(hours=3))
+        ),
+    )
+    occurred = dt.datetime(2026, 11, 29, 10, 0, 0, 123456, tzinfo=dt.UTC)
+    event = WRITER.event(
+        event_type="PaymentRequested", aggregate_type="payment", aggregate_id="p1",
+        payload=original, idempotency_key="money-1", occurred_at=occurred,
+    )  # fmt: skip
+    with Session(engine) as session, session.begin():
+        WRITER.stage(session, event)
+    with engine.connect() as conn:
+        row = conn.execute(sa.select(TABLE.table)).mappings().one()
+    back = envelope_from_row(row)
+    assert back.occurred_at == occurred
+    restored = back.payload_as(Money)
+    assert restored == original
+    assert str(restored.amount) == "100.10"
+    assert restored.at.utcoffset() == -dt.timedelta(hours=3)
+
+
+def test_oversized_payload_is_rejected_at_write_time(engine: Engine) -> None:
+    event = _event(70, {"blob": "x" * (1_048_576 + 1)})
+    with pytest.raises(PayloadTooLargeError), Session(engine) as session, session.begin():
+        WRITER.stage(session, event)
+    assert _count(engine) == 0
+
+
+def _notify_conninfo(database_url: str) -> str:
+    return database_url.replace("postgresql+psycopg://", "postgresql://")
+
+
+def _drain_notifies(conn: psycopg.Connection[object]) -> list[str]:
+    return [n.channel for n in conn.notifies(timeout=0.5, stop_after=None)]
+
+
+def test_notify_only_after_commit_once_per_transaction_never_after_rollback(
+    engine: Engine, database_url: str
+) -> None:
+    with psycopg.connect(_notify_conninfo(database_url), autocommit=True) as listener:
+        listener.execute(f'LISTEN "{TABLE.notify_channel}"')
+        with Session(engine) as session:
+            session.begin()
+            WRITER.stage(session, _event(80))
+            session.flush()
+            WRITER.stage_many(session, [_event(81), _event(82)])
+            session.flush()
+            assert _drain_notifies(listener) == []  # nothing before COMMIT
+            session.commit()
+        assert _drain_notifies(listener) == [TABLE.notify_channel]  # exactly one
+        with Session(engine) as session:
+            session.begin()
+            WRITER.stage(session, _event(83))
+            session.flush()
+            session.rollback()
+        assert _drain_notifies(listener) == []
+
+
+def test_traceparent_of_the_active_span_goes_into_the_headers(engine: Engine) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("test")
+    with tracer.start_as_current_span("place-order") as span:
+        event = _event(90)
+        trace_id = format(span.get_span_context().trace_id, "032x")
+    assert event.headers["traceparent"].split("-")[1] == trace_id
+    with Session(engine) as session, session.begin():
+        WRITER.stage(session, event)
+    with engine.connect() as conn:
+        headers = conn.execute(sa.text("SELECT headers FROM outbox")).scalar_one()
+    assert headers["traceparent"] == event.headers["traceparent"]
+
+
+def test_configurable_schema_and_table_names_end_to_end(engine: Engine, database_url: str) -> None:
+    names = migrations.Names(schema="ledger", outbox_table="events_out", inbox_table="events_in")
+    migrations.upgrade_database(database_url, names)
+    table = OutboxTable("events_out", schema="ledger")
+    writer = OutboxWriter(TopicRouter(default="t"), source="/s", table=table)
+    with Session(engine) as session, session.begin():
+        writer.stage(session, writer.event(
+            event_type="E", aggregate_type="a", aggregate_id=1, payload={}, idempotency_key="k"))  # fmt: skip
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM ledger.events_out")).scalar_one() == 1
+        assert conn.execute(sa.text("SELECT count(*) FROM ledger.events_in")).scalar_one() == 0
+
+
+def test_async_stage_once_reports_duplicates(async_engine: AsyncEngine, engine: Engine) -> None:
+    async def run() -> tuple[bool, bool]:
+        key = idempotency_key("order", "c", "async-1")
+        async with AsyncSession(async_engine) as session, session.begin():
+            first = await WRITER.astage_once(session, _event(100, key=key))
+        async with AsyncSession(async_engine) as session, session.begin():
+            second = await WRITER.astage_once(session, _event(101, key=key))
+        return first.created, second.created
+
+    assert asyncio.run(run()) == (True, False)
+    assert _count(engine) == 1

@@ -1,0 +1,271 @@
+"""Pure tests of the outbox envelope, keys, routing, wire form and write-time validation."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from decimal import Decimal
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import AwareDatetime, BaseModel
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox import (
+    ConfigurationError,
+    EnvelopeParseError,
+    EventEnvelope,
+    EventValidationError,
+    NaiveDatetimeError,
+    OutboxTable,
+    OutboxWriter,
+    PayloadTooLargeError,
+    TopicRouter,
+    UnroutedEventError,
+    envelope_from_kafka,
+    idempotency_key,
+    kafka_headers,
+)
+
+
+class Payment(BaseModel):
+    amount: Decimal
+    order_id: uuid.UUID
+    at: AwareDatetime
+
+
+def _writer(**kw: object) -> OutboxWriter:
+    return OutboxWriter(TopicRouter(default="orders.events"), source="/test", **kw)  # type: ignore[arg-type]
+
+
+def test_public_names_are_pinned() -> None:
+    assert sorted(outbox.__all__) == sorted(
+        [
+            "DEFAULT_MAX_PAYLOAD_BYTES",
+            "DEFAULT_SHARD_COUNT",
+            "ConfigurationError",
+            "DuplicateEventError",
+            "EnvelopeParseError",
+            "EventEnvelope",
+            "EventStatus",
+            "EventValidationError",
+            "LedgerboxError",
+            "NaiveDatetimeError",
+            "OutboxTable",
+            "OutboxWriter",
+            "PayloadTooLargeError",
+            "Staged",
+            "TopicRouter",
+            "UnroutedEventError",
+            "envelope_from_kafka",
+            "envelope_from_row",
+            "idempotency_key",
+            "kafka_headers",
+            "shard_of",
+            "timestamp_ms",
+        ]
+    )
+    for name in outbox.__all__:
+        assert hasattr(outbox, name)
+
+
+def test_errors_report_public_import_path() -> None:
+    assert PayloadTooLargeError.__module__ == "outbox"
+    assert issubclass(NaiveDatetimeError, outbox.LedgerboxError)
+    assert issubclass(NaiveDatetimeError, ValueError)
+
+
+def test_idempotency_key_is_stable_and_rejects_unstable_parts() -> None:
+    merchant = uuid.UUID("8d3c0c0e-8a55-4c1e-9d43-1d2b8c3f0a11")
+    first = idempotency_key("payment", merchant, "req-17")
+    assert first == idempotency_key("payment", merchant, "req-17")
+    assert first.startswith("payment:")
+    assert first != idempotency_key("payment", merchant, "req-18")
+    # Part boundaries matter: ("ab", "c") is not ("a", "bc").
+    assert idempotency_key("x", "ab", "c") != idempotency_key("x", "a", "bc")
+    for bad in (1.5, dt.datetime.now(dt.UTC), True, ""):
+        with pytest.raises(EventValidationError):
+            idempotency_key("payment", bad)  # type: ignore[arg-type]
+    with pytest.raises(EventValidationError):
+        idempotency_key()
+
+
+def test_event_id_derives_from_idempotency_key() -> None:
+    writer = _writer()
+    key = idempotency_key("order", 7, "k1")
+    a = writer.event(
+        event_type="OrderPlaced",
+        aggregate_type="order",
+        aggregate_id=7,
+        payload={},
+        idempotency_key=key,
+    )
+    b = writer.event(
+        event_type="OrderPlaced",
+        aggregate_type="order",
+        aggregate_id=7,
+        payload={},
+        idempotency_key=key,
+    )
+    assert a.event_id == b.event_id
+    assert a.partition_key == "7"
+
+
+def test_naive_datetimes_are_rejected_with_their_path() -> None:
+    writer = _writer()
+    naive = dt.datetime(2026, 1, 1, 12, 0)
+    with pytest.raises(NaiveDatetimeError) as info:
+        writer.event(
+            event_type="E", aggregate_type="a", aggregate_id=1,
+            payload={"lines": [{"at": naive}]}, idempotency_key="k",
+        )  # fmt: skip
+    assert info.value.path == "payload.lines[0].at"
+    with pytest.raises(NaiveDatetimeError):
+        writer.event(
+            event_type="E", aggregate_type="a", aggregate_id=1, payload={},
+            idempotency_key="k", occurred_at=naive,
+        )  # fmt: skip
+
+
+def test_payload_too_large_is_rejected_before_anything_is_staged() -> None:
+    writer = _writer(max_payload_bytes=1000)
+    event = writer.event(
+        event_type="E", aggregate_type="a", aggregate_id=1, payload={"x": "y" * 1000},
+        idempotency_key="k",
+    )  # fmt: skip
+    session = Session()  # no bind: staging must not do I/O
+    with pytest.raises(PayloadTooLargeError) as info:
+        writer.stage(session, event)
+    assert info.value.size_bytes > 1000 and info.value.max_bytes == 1000
+    assert not session.new
+
+
+def test_stage_only_adds_to_the_session() -> None:
+    writer = _writer()
+    session = Session()  # unbound: any flush or query would raise
+    events = [
+        writer.event(
+            event_type="E",
+            aggregate_type="a",
+            aggregate_id=i,
+            payload={"i": i},
+            idempotency_key=f"k{i}",
+        )
+        for i in range(3)
+    ]
+    writer.stage_many(session, events)
+    assert len(session.new) == 3
+
+
+def test_topic_router() -> None:
+    router = TopicRouter(
+        by_event_type={"PaymentFailed": "payments.failures"},
+        by_aggregate_type={"payment": "payments.events"},
+    )
+    assert router.route("PaymentFailed", "payment") == "payments.failures"
+    assert router.route("PaymentSucceeded", "payment") == "payments.events"
+    with pytest.raises(UnroutedEventError):
+        router.route("OrderPlaced", "order")
+    with pytest.raises(ConfigurationError):
+        TopicRouter(default="bad topic!")
+
+
+@pytest.mark.parametrize("name", ["Outbox", "out-box", "1outbox", "x" * 64, "outbox;drop", ""])
+def test_table_names_must_be_sql_identifiers(name: str) -> None:
+    with pytest.raises(ConfigurationError):
+        OutboxTable(name)
+    with pytest.raises(ConfigurationError):
+        OutboxTable("outbox", schema=name)
+
+
+def test_typed_payload_round_trips_exactly_through_json() -> None:
+    original = Payment(
+        amount=Decimal("100.10"),
+        order_id=uuid.uuid4(),
+        at=dt.datetime(2026, 3, 1, 8, 30, 15, 123456, tzinfo=dt.timezone(dt.timedelta(hours=5))),
+    )
+    event = _writer().event(
+        event_type="PaymentRequested", aggregate_type="payment", aggregate_id=1,
+        payload=original, idempotency_key="k",
+    )  # fmt: skip
+    wire = json.loads(json.dumps(event.payload))
+    back = event.model_copy(update={"payload": wire}).payload_as(Payment)
+    assert back == original
+    assert str(back.amount) == "100.10"
+    assert back.at.utcoffset() == dt.timedelta(hours=5)
+
+
+def test_kafka_record_parse_errors_are_typed() -> None:
+    with pytest.raises(EnvelopeParseError):
+        envelope_from_kafka("t", b"k", b"\xff", [])
+    with pytest.raises(EnvelopeParseError):
+        envelope_from_kafka("t", b"k", b"[1]", [])
+    with pytest.raises(EnvelopeParseError, match="missing CloudEvents headers"):
+        envelope_from_kafka("t", b"k", b"{}", [("ce_id", b"x")])
+
+
+_text = st.text(min_size=1, max_size=20)
+_json_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**53), 2**53), st.text(max_size=20),
+    st.decimals(allow_nan=False, allow_infinity=False, places=2).map(str),
+)  # fmt: skip
+_json = st.recursive(
+    _json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_text, inner, max_size=4),
+    max_leaves=12,
+)
+_aware = st.datetimes(
+    min_value=dt.datetime(1970, 1, 2), max_value=dt.datetime(9999, 1, 1), timezones=st.just(dt.UTC)
+)
+
+
+@given(
+    key=_text,
+    event_type=_text,
+    aggregate_id=_text,
+    version=st.none() | st.integers(0, 2**62),
+    occurred_at=_aware,
+    payload=st.dictionaries(_text, _json, max_size=5),
+    extra=st.dictionaries(st.sampled_from(["traceparent", "tracestate", "x-tenant"]), _text),
+)
+def test_envelope_round_trips_through_json_and_kafka_form(
+    key: str,
+    event_type: str,
+    aggregate_id: str,
+    version: int | None,
+    occurred_at: dt.datetime,
+    payload: dict[str, object],
+    extra: dict[str, str],
+) -> None:
+    envelope = EventEnvelope(
+        event_id=uuid.uuid4(),
+        idempotency_key=key,
+        event_type=event_type,
+        topic="orders.events",
+        partition_key=aggregate_id,
+        source="/svc",
+        aggregate_type="order",
+        aggregate_id=aggregate_id,
+        aggregate_version=version,
+        occurred_at=occurred_at,
+        payload=payload,
+        headers=extra,
+    )
+    assert EventEnvelope.model_validate_json(envelope.model_dump_json()) == envelope
+    headers = kafka_headers(
+        event_id=envelope.event_id,
+        event_type=event_type,
+        source="/svc",
+        occurred_at=occurred_at,
+        idempotency_key=key,
+        aggregate_type="order",
+        aggregate_id=aggregate_id,
+        aggregate_version=version,
+        extra=extra,
+    )
+    value = json.dumps(payload).encode()
+    parsed = envelope_from_kafka("orders.events", aggregate_id.encode(), value, headers)
+    assert parsed == envelope
