@@ -271,8 +271,10 @@ def test_configurable_schema_and_table_names_end_to_end(engine: Engine, database
     table = OutboxTable("events_out", schema="ledger")
     writer = OutboxWriter(TopicRouter(default="t"), source="/s", table=table)
     with Session(engine) as session, session.begin():
-        writer.stage(session, writer.event(
-            event_type="E", aggregate_type="a", aggregate_id=1, payload={}, idempotency_key="k"))  # fmt: skip
+        event = writer.event(
+            event_type="E", aggregate_type="a", aggregate_id=1, payload={}, idempotency_key="k"
+        )
+        writer.stage(session, event)
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM ledger.events_out")).scalar_one() == 1
         assert conn.execute(sa.text("SELECT count(*) FROM ledger.events_in")).scalar_one() == 0
