@@ -1,0 +1,1 @@
+"""Benchmarks of ledgerbox: every performance claim measured side by side in one run."""
