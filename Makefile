@@ -9,6 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SERVICES := eval "$$(bash scripts/services.sh up)"
 PYTEST_ARGS ?=
+PY_DIRS := outbox relay inbox example_services migrations tests bench
 
 .PHONY: venv services test lint unit demo bench soak clean down
 
@@ -24,8 +25,8 @@ services:
 	bash scripts/services.sh up >/dev/null
 
 lint: venv
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check $(PY_DIRS)
+	$(VENV)/bin/ruff format --check $(PY_DIRS)
 	$(VENV)/bin/mypy
 
 unit: venv
