@@ -1,0 +1,118 @@
+"""``python -m bench [NAME ...]``: run the benchmarks, write ``bench/results/latest.json``.
+
+Each benchmark module exposes ``run() -> dict[str, object]`` that warms up, measures several
+rounds side by side (median of >= 3) and returns its figures, the raw numbers behind every ratio
+included. This entry merges them, adds the machine, checks the targets and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+from bench._common import RESULTS_DIR
+
+BENCHES: dict[str, str] = {
+    "write_overhead": "bench.write_overhead",
+    "relay_drain": "bench.relay_drain",
+    "inbox_apply": "bench.inbox_apply",
+    "e2e_latency": "bench.e2e_latency",
+    "peers": "bench.peers",
+}
+
+# key: (comparison, bound). Ratios are measured side by side in one run.
+TARGETS: dict[str, tuple[str, float]] = {
+    "relay_vs_raw_ratio": (">=", 0.8),
+    "relay_vs_peer_ratio": (">=", 10.0),
+    "hot_keys_ratio": (">=", 0.5),
+    "e2e_p99_ms": ("<=", 50.0),
+    "e2e_p50_ms": ("<=", 10.0),
+    "write_overhead_ratio": ("<=", 1.15),
+    "inbox_vs_plain_ratio": (">=", 0.7),
+    "relay_peak_rss_mb": ("<=", 100.0),
+}
+
+
+def _machine() -> dict[str, Any]:
+    mem_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem_gib = round(int(f.readline().split()[1]) / 1024 / 1024, 1)
+    except OSError:
+        pass
+    return {
+        "cores": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def _derive(result: dict[str, Any]) -> None:
+    peers = [
+        v
+        for k, v in result.items()
+        if k.startswith("peer_") and k.endswith("_events_per_s") and isinstance(v, int | float)
+    ]
+    if peers and isinstance(result.get("relay_events_per_s"), int | float):
+        result["relay_vs_peer_ratio"] = result["relay_events_per_s"] / max(peers)
+
+
+def _verdicts(result: dict[str, Any]) -> dict[str, str]:
+    verdicts = {}
+    for key, (op, bound) in TARGETS.items():
+        value = result.get(key)
+        if not isinstance(value, int | float):
+            verdicts[key] = "not measured"
+            continue
+        ok = value >= bound if op == ">=" else value <= bound
+        verdicts[key] = f"{'met' if ok else 'MISSED'} ({op} {bound:g})"
+    return verdicts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("names", nargs="*", help=f"any of {', '.join(BENCHES)}; default: all")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.names) - set(BENCHES))
+    if unknown:
+        parser.error(f"unknown benchmark(s): {', '.join(unknown)}")
+    names = args.names or list(BENCHES)
+    latest = RESULTS_DIR / "latest.json"
+    result: dict[str, Any] = json.loads(latest.read_text()) if latest.exists() else {}
+    failures: dict[str, str] = {}
+    for name in names:
+        print(f"== {name}", flush=True)
+        started = time.perf_counter()
+        try:
+            figures = importlib.import_module(BENCHES[name]).run()
+        except Exception as exc:  # a broken benchmark is reported, the others still run
+            failures[name] = f"{type(exc).__name__}: {exc}"
+            print(f"   failed: {failures[name]}", file=sys.stderr, flush=True)
+            continue
+        result.update(figures)
+        print(f"   done in {time.perf_counter() - started:.0f} s", flush=True)
+    _derive(result)
+    result["machine"] = _machine()
+    result["verdicts"] = _verdicts(result)
+    result["failures"] = failures
+    result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    RESULTS_DIR.mkdir(exist_ok=True)
+    latest.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(f"\n{'metric':32} {'value':>14}  target")
+    for key in TARGETS:
+        value = result.get(key)
+        shown = f"{value:14.3f}" if isinstance(value, int | float) else f"{'-':>14}"
+        print(f"{key:32} {shown}  {result['verdicts'][key]}")
+    print(f"\nwritten: {latest}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
