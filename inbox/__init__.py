@@ -1,0 +1,55 @@
+"""ledgerbox ``inbox``: apply each Kafka event's effect at most once per consumer group.
+
+Example
+-------
+>>> consumer = InboxConsumer(ConsumerConfig(                     # doctest: +SKIP
+...     group_id="payment-service", topics=["orders.events"],
+...     database_url="postgresql+psycopg://...", kafka_bootstrap_servers="127.0.0.1:9092",
+...     redis_url="redis://127.0.0.1:6379/0"))
+>>> @consumer.handler("OrderPlaced")                            # doctest: +SKIP
+... async def on_order_placed(ctx: HandlerContext, event: EventEnvelope) -> None:
+...     row = (await ctx.session.execute(select(account).where(...))).one()
+...     await aupdate_versioned(ctx.session, account, {"id": row.id}, row.version, {...})
+>>> await consumer.run()                                        # doctest: +SKIP
+
+The handler's writes commit in one transaction with the event's inbox row: a redelivered
+event finds the row and is acknowledged without running the handler (G4). Redis only speeds
+this up (G6). See ``DESIGN.md`` section 4.
+"""
+
+from inbox._config import ConsumerConfig
+from inbox._consumer import InboxConsumer
+from inbox._context import HandlerContext
+from inbox._errors import (
+    FencedWriteError,
+    InboxError,
+    LockBusyError,
+    RedisUnavailableError,
+    VersionConflictError,
+)
+from inbox._policy import Outcome
+from inbox._redis import AggregateLock, DedupStore, RedisAggregateLock, RedisDedupStore
+from inbox._table import InboxStatus, InboxTable
+from inbox._versioned import afenced_update, aupdate_versioned, fenced_update, update_versioned
+
+__all__ = [
+    "AggregateLock",
+    "ConsumerConfig",
+    "DedupStore",
+    "FencedWriteError",
+    "HandlerContext",
+    "InboxConsumer",
+    "InboxError",
+    "InboxStatus",
+    "InboxTable",
+    "LockBusyError",
+    "Outcome",
+    "RedisAggregateLock",
+    "RedisDedupStore",
+    "RedisUnavailableError",
+    "VersionConflictError",
+    "afenced_update",
+    "aupdate_versioned",
+    "fenced_update",
+    "update_versioned",
+]

@@ -1,0 +1,184 @@
+"""Configuration of an inbox consumer: typed, validated when built, units in the names."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from outbox import ConfigurationError
+from outbox._backoff import Backoff
+from outbox._identifiers import sql_identifier
+
+__all__ = ["DEFAULT_RETENTION_S", "ConsumerConfig", "RetentionWarning"]
+
+#: Default dedup window (inbox retention) and Kafka's default ``offsets.retention.minutes``
+#: (7 days): a redelivery can come back as long as the group's committed offsets live.
+DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+
+_log = logging.getLogger("inbox")
+
+
+class RetentionWarning(UserWarning):
+    """The inbox retention is shorter than the consumer group's redelivery horizon."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerConfig:
+    """Settings of one :class:`inbox.InboxConsumer`.
+
+    Parameters
+    ----------
+    group_id : str
+        Kafka consumer group, and the inbox's dedup scope: one effect per (group, event id).
+    topics : Sequence[str]
+        Topics to subscribe to (at least one).
+    database_url : str
+        SQLAlchemy URL, ``postgresql+psycopg://...`` (used for the sync and async engines).
+    kafka_bootstrap_servers : str
+        ``host:port[,host:port]``.
+    redis_url : str | None
+        ``redis://...`` for the fast path (dedup hint, aggregate locks); ``None``: DB only.
+    inbox_table, schema : str, str | None
+        Name and schema of the inbox table (validated SQL identifiers).
+    dead_letter_topic : str | None
+        Topic for poison records; ``None``: ``<source topic>.dlq``.
+    lock_aggregates : bool
+        Take a per-aggregate Redis lock around each message (needs ``redis_url``).
+    max_attempts : int
+        Attempts per message before it is dead-lettered (transient errors only; >= 1).
+    dedup_ttl_s : float
+        TTL of the Redis "done" key, in seconds (default 1 day). A hint only: after it
+        expires the DB inbox still recognises the duplicate.
+    in_progress_ttl_ms : int | None
+        TTL of the Redis "in progress" marker, in ms (default 5 s); ``None`` disables the
+        marker. A worker that sees another's marker waits at most this long, then goes to the
+        database anyway, so a crashed claimant never makes an event be skipped (C11).
+    lock_ttl_ms : int
+        TTL of the aggregate lock, in ms; renewed every third of it while the handler runs.
+    lock_wait_ms : int | None
+        How long to wait for a taken lock before a retry, in ms; ``None``: ``lock_ttl_ms``.
+    retention_s : float
+        Dedup window: inbox rows younger than this are never purged (default 7 days).
+    offset_retention_s : float
+        The group's redelivery horizon (Kafka ``offsets.retention.minutes``, default 7 days);
+        a ``retention_s`` below it warns (:class:`RetentionWarning`).
+    retry_base_s, retry_max_s : float
+        Exponential backoff with full jitter between attempts, in seconds.
+    redis_timeout_s : float
+        Socket and connect timeout of Redis calls, in seconds: an outage costs at most this.
+    redis_probe_interval_s : float
+        While Redis is down, calls are skipped and it is probed this often, in seconds.
+    auto_offset_reset : str
+        ``"earliest"`` (default) or ``"latest"`` for a group without committed offsets.
+    commit_interval_ms : int
+        Offsets of finished records are committed at least this often, in ms (and always on
+        revoke and stop). A crash before a commit only causes redeliveries, caught by the inbox.
+    max_buffered_records : int
+        Records buffered per partition before fetching from it is paused.
+    batch_max_records : int
+        Up to this many records already waiting on one partition are applied in ONE
+        transaction (one multi-row inbox insert, handlers in offset order, one commit); any
+        error rolls the batch back and its records are reprocessed one by one, with the
+        usual retries and dead-lettering. 1 disables batching; it is also off with
+        ``lock_aggregates`` (locks are per message).
+    assignment : Sequence[tuple[str, int]] | None
+        Manual partition assignment (no group rebalancing) instead of subscribing to
+        ``topics``; offsets are still committed to ``group_id``.
+    client_id : str | None
+        Kafka client id; defaults to ``ledgerbox-inbox-<group_id>``.
+
+    Raises
+    ------
+    outbox.ConfigurationError
+        On an invalid value.
+    """
+
+    group_id: str
+    topics: Sequence[str]
+    database_url: str
+    kafka_bootstrap_servers: str
+    redis_url: str | None = None
+    inbox_table: str = "inbox"
+    schema: str | None = None
+    dead_letter_topic: str | None = None
+    lock_aggregates: bool = False
+    max_attempts: int = 5
+    dedup_ttl_s: float = 86400.0
+    in_progress_ttl_ms: int | None = 5000
+    lock_ttl_ms: int = 10000
+    lock_wait_ms: int | None = None
+    retention_s: float = DEFAULT_RETENTION_S
+    offset_retention_s: float = DEFAULT_RETENTION_S
+    retry_base_s: float = 0.05
+    retry_max_s: float = 5.0
+    redis_timeout_s: float = 0.5
+    redis_probe_interval_s: float = 1.0
+    auto_offset_reset: str = "earliest"
+    commit_interval_ms: int = 200
+    max_buffered_records: int = 1000
+    batch_max_records: int = 100
+    assignment: Sequence[tuple[str, int]] | None = None
+    client_id: str | None = None
+    redis_key_prefix: str = "ledgerbox:"
+    _backoff: Backoff = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            raise ConfigurationError("group_id must not be empty")
+        if isinstance(self.topics, str):
+            raise ConfigurationError("topics must be a list of topic names, not a string")
+        object.__setattr__(self, "topics", tuple(self.topics))
+        if not self.topics and not self.assignment:
+            raise ConfigurationError("topics must name at least one topic")
+        sql_identifier(self.inbox_table, "inbox table name")
+        if self.schema is not None:
+            sql_identifier(self.schema, "schema")
+        positive = {
+            "max_attempts": self.max_attempts,
+            "dedup_ttl_s": self.dedup_ttl_s,
+            "lock_ttl_ms": self.lock_ttl_ms,
+            "retention_s": self.retention_s,
+            "redis_timeout_s": self.redis_timeout_s,
+            "redis_probe_interval_s": self.redis_probe_interval_s,
+            "commit_interval_ms": self.commit_interval_ms,
+            "max_buffered_records": self.max_buffered_records,
+            "batch_max_records": self.batch_max_records,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigurationError(f"{name} must be > 0, got {value}")
+        if self.in_progress_ttl_ms is not None and self.in_progress_ttl_ms <= 0:
+            raise ConfigurationError("in_progress_ttl_ms must be > 0 or None")
+        if self.lock_wait_ms is not None and self.lock_wait_ms < 0:
+            raise ConfigurationError("lock_wait_ms must be >= 0 or None")
+        if self.auto_offset_reset not in ("earliest", "latest"):
+            raise ConfigurationError("auto_offset_reset must be 'earliest' or 'latest'")
+        if self.lock_aggregates and self.redis_url is None:
+            raise ConfigurationError("lock_aggregates needs redis_url")
+        object.__setattr__(self, "_backoff", Backoff(self.retry_base_s, self.retry_max_s))
+        if self.assignment is not None:
+            object.__setattr__(self, "assignment", tuple((t, int(p)) for t, p in self.assignment))
+        if self.retention_s < self.offset_retention_s:
+            message = (
+                f"inbox retention_s={self.retention_s:g} is shorter than the group's "
+                f"offset_retention_s={self.offset_retention_s:g}: an event redelivered after "
+                "its inbox row was purged would be applied again"
+            )
+            _log.warning(message)
+            warnings.warn(message, RetentionWarning, stacklevel=3)
+
+    @property
+    def backoff(self) -> Backoff:
+        """The retry backoff built from ``retry_base_s`` / ``retry_max_s``."""
+        return self._backoff
+
+    @property
+    def effective_lock_wait_ms(self) -> int:
+        """``lock_wait_ms`` or, when ``None``, ``lock_ttl_ms``."""
+        return self.lock_ttl_ms if self.lock_wait_ms is None else self.lock_wait_ms
+
+    def dead_letter_topic_for(self, source_topic: str) -> str:
+        """The dead-letter topic of records from ``source_topic``."""
+        return self.dead_letter_topic or f"{source_topic}.dlq"

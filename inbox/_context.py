@@ -1,0 +1,47 @@
+"""What a handler receives besides the event."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+__all__ = ["HandlerContext"]
+
+S = TypeVar("S", Session, AsyncSession)
+
+
+@dataclass
+class HandlerContext(Generic[S]):
+    """The open transaction and delivery facts of one handler attempt.
+
+    Attributes
+    ----------
+    session : AsyncSession | Session
+        The session whose transaction holds the inbox row; ``AsyncSession`` for async
+        handlers, ``Session`` for sync ones. Write your business rows (and stage outbox events
+        with ``OutboxWriter.stage(ctx.session, ...)``) here; the consumer commits. Do not
+        commit or roll back yourself: raise to roll back.
+    group_id : str
+        The consumer group.
+    attempt : int
+        1 for the first attempt, 2 for the first retry, ...
+    topic, partition, offset : str, int, int
+        Where the record came from.
+    fencing_token : int | None
+        Token of the per-aggregate lock held for this attempt (grows with every acquisition
+        of that aggregate's lock); ``None`` when locking is off or Redis is unreachable.
+        Guard writes with :func:`inbox.fenced_update` (``WHERE fence < :token``).
+    """
+
+    session: S
+    group_id: str
+    attempt: int
+    topic: str
+    partition: int
+    offset: int
+    fencing_token: int | None = None
+    lock_lost: bool = field(default=False)
+    """True once a renewal found the lock taken by someone else (writes should be fenced)."""

@@ -1,0 +1,134 @@
+"""The dead-letter edge: a Protocol, the Kafka implementation, and the header layout (G7)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from inbox._errors import DeadLetterError
+
+__all__ = [
+    "H_ATTEMPTS",
+    "H_ERROR_MESSAGE",
+    "H_ERROR_TYPE",
+    "H_SOURCE_OFFSET",
+    "H_SOURCE_PARTITION",
+    "H_SOURCE_TOPIC",
+    "DeadLetterPublisher",
+    "KafkaDeadLetterPublisher",
+    "dead_letter_headers",
+]
+
+H_ERROR_TYPE = "ledgerbox_error_type"
+H_ERROR_MESSAGE = "ledgerbox_error_message"
+H_ATTEMPTS = "ledgerbox_attempts"
+H_SOURCE_TOPIC = "ledgerbox_source_topic"
+H_SOURCE_PARTITION = "ledgerbox_source_partition"
+H_SOURCE_OFFSET = "ledgerbox_source_offset"
+_OURS = frozenset(
+    {H_ERROR_TYPE, H_ERROR_MESSAGE, H_ATTEMPTS, H_SOURCE_TOPIC, H_SOURCE_PARTITION}
+    | {H_SOURCE_OFFSET}
+)
+#: Error messages are cut so that a huge exception text cannot make the record too large.
+MAX_ERROR_MESSAGE_BYTES = 4096
+
+
+def dead_letter_headers(
+    original: Sequence[tuple[str, bytes]],
+    *,
+    error: BaseException,
+    attempts: int,
+    topic: str,
+    partition: int,
+    offset: int,
+) -> list[tuple[str, bytes]]:
+    """Headers of a dead-letter record: the original ones, then the reason and the source.
+
+    ``ledgerbox_error_type`` is the exception's qualified class name; earlier copies of our
+    own headers (a record dead-lettered twice) are replaced, not repeated.
+    """
+    cls = type(error)
+    message = str(error).encode("utf-8", "replace")[:MAX_ERROR_MESSAGE_BYTES]
+    kept = [(k, v) for k, v in original if k not in _OURS]
+    return [
+        *kept,
+        (H_ERROR_TYPE, f"{cls.__module__}.{cls.__qualname__}".encode()),
+        (H_ERROR_MESSAGE, message),
+        (H_ATTEMPTS, str(attempts).encode()),
+        (H_SOURCE_TOPIC, topic.encode()),
+        (H_SOURCE_PARTITION, str(partition).encode()),
+        (H_SOURCE_OFFSET, str(offset).encode()),
+    ]
+
+
+@runtime_checkable
+class DeadLetterPublisher(Protocol):
+    """Where poison records go. ``publish`` returns only once the record is stored."""
+
+    async def publish(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Sequence[tuple[str, bytes]],
+    ) -> None:
+        """Store one record. Raises :class:`inbox.DeadLetterError` if it was not stored."""
+        ...
+
+    async def close(self) -> None:
+        """Flush and release resources."""
+        ...
+
+
+class KafkaDeadLetterPublisher:
+    """:class:`DeadLetterPublisher` on Kafka: ``acks=all``, idempotent producer, started lazily.
+
+    Parameters
+    ----------
+    bootstrap_servers : str
+        ``host:port[,host:port]``.
+    request_timeout_ms : int
+        How long one send may take before it counts as failed, in ms.
+    """
+
+    def __init__(self, bootstrap_servers: str, *, request_timeout_ms: int = 30000) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.request_timeout_ms = request_timeout_ms
+        self._producer: AIOKafkaProducer | None = None
+        self._lock = asyncio.Lock()
+
+    async def _started(self) -> AIOKafkaProducer:
+        async with self._lock:
+            if self._producer is None:
+                producer = AIOKafkaProducer(
+                    bootstrap_servers=self.bootstrap_servers,
+                    acks="all",
+                    enable_idempotence=True,
+                    request_timeout_ms=self.request_timeout_ms,
+                )
+                await producer.start()
+                self._producer = producer
+            return self._producer
+
+    async def publish(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Sequence[tuple[str, bytes]],
+    ) -> None:
+        try:
+            producer = await self._started()
+            await producer.send_and_wait(topic, value=value, key=key, headers=list(headers))
+        except (TimeoutError, KafkaError, OSError) as exc:
+            raise DeadLetterError(f"dead-letter send to {topic!r} failed: {exc!r}") from exc
+
+    async def close(self) -> None:
+        async with self._lock:
+            producer, self._producer = self._producer, None
+        if producer is not None:
+            await producer.stop()

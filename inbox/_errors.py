@@ -1,0 +1,108 @@
+"""Errors of the ``inbox`` package, below the single ledgerbox root.
+
+::
+
+    outbox.LedgerboxError
+    └── InboxError                     any inbox failure
+        ├── VersionConflictError       optimistic version check matched no row (retried, G5)
+        ├── FencedWriteError           a fenced write was refused: a newer lock holder wrote (C10)
+        ├── LockBusyError              the per-aggregate lock stayed taken for the whole wait
+        ├── RedisUnavailableError      Redis did not answer; the DB path carries on (G6)
+        └── DeadLetterError            the dead-letter topic refused a record (retried)
+
+Driver errors are translated only at the seams (``_redis.py``, ``_store.py``); retry
+classification (``_policy.classify``) reads SQLSTATEs and exception classes, never messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from outbox import LedgerboxError
+
+__all__ = [
+    "DeadLetterError",
+    "FencedWriteError",
+    "InboxError",
+    "LockBusyError",
+    "RedisUnavailableError",
+    "VersionConflictError",
+]
+
+
+class InboxError(LedgerboxError):
+    """Root of the errors raised by the inbox consumer and its helpers."""
+
+    __module__ = "inbox"
+
+
+class VersionConflictError(InboxError):
+    """An optimistic ``UPDATE ... WHERE version = :expected`` matched no row.
+
+    The row changed (or vanished) since it was read. The consumer rolls back and reruns the
+    handler in a fresh transaction, which reads the new version and decides again (C06).
+
+    Attributes
+    ----------
+    table : str
+        Name of the table.
+    key : dict
+        The key columns and values of the row.
+    expected_version : int
+        The version the caller expected.
+    """
+
+    __module__ = "inbox"
+
+    def __init__(self, table: str, key: Mapping[str, Any], expected_version: int) -> None:
+        super().__init__(
+            f"{table} row {dict(key)!r} is no longer at version {expected_version} "
+            "(changed or deleted concurrently)"
+        )
+        self.table = table
+        self.key = dict(key)
+        self.expected_version = expected_version
+
+
+class FencedWriteError(InboxError):
+    """A fenced ``UPDATE ... WHERE fence < :token`` matched no row: a newer lock holder wrote.
+
+    Attributes
+    ----------
+    table : str
+        Name of the table.
+    key : dict
+        The key columns and values of the row.
+    fencing_token : int
+        The (stale) token of the caller.
+    """
+
+    __module__ = "inbox"
+
+    def __init__(self, table: str, key: Mapping[str, Any], fencing_token: int) -> None:
+        super().__init__(
+            f"{table} row {dict(key)!r} was written under a fencing token newer than "
+            f"{fencing_token}; this writer lost its lock"
+        )
+        self.table = table
+        self.key = dict(key)
+        self.fencing_token = fencing_token
+
+
+class LockBusyError(InboxError):
+    """The per-aggregate lock was held by another worker for the whole wait (retried)."""
+
+    __module__ = "inbox"
+
+
+class RedisUnavailableError(InboxError):
+    """Redis did not answer in time or refused the command. Never fatal: the DB is the truth."""
+
+    __module__ = "inbox"
+
+
+class DeadLetterError(InboxError):
+    """The dead-letter record could not be written to Kafka; the offset is not committed."""
+
+    __module__ = "inbox"

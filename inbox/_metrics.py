@@ -1,0 +1,55 @@
+"""Prometheus metrics of the inbox consumer (module level; units in the names).
+
+Every series carries the consumer ``group`` so that several consumers in one process (tests,
+a service consuming for two groups) stay apart.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+__all__ = [
+    "CONFLICTS",
+    "DEAD_LETTERED",
+    "DUPLICATES",
+    "HANDLER_DURATION",
+    "PROCESSED",
+    "REDIS_DEGRADED",
+    "RETRIES",
+]
+
+PROCESSED = Counter(
+    "ledgerbox_inbox_processed_total",
+    "Events whose handler effect committed together with the inbox row.",
+    ["group"],
+)
+DUPLICATES = Counter(
+    "ledgerbox_inbox_duplicates_total",
+    "Redelivered events recognised as already applied, by where: redis (hint) or db (inbox).",
+    ["group", "path"],
+)
+CONFLICTS = Counter(
+    "ledgerbox_inbox_conflicts_total",
+    "Optimistic version conflicts and fenced writes that made a handler run again.",
+    ["group"],
+)
+RETRIES = Counter(
+    "ledgerbox_inbox_retries_total",
+    "Attempts rerun after a transient error (connection, timeout, 40001, 40P01, conflict).",
+    ["group"],
+)
+DEAD_LETTERED = Counter(
+    "ledgerbox_inbox_dead_lettered_total",
+    "Records parked on the dead-letter topic (unparseable, permanent error, retries exhausted).",
+    ["group"],
+)
+HANDLER_DURATION = Histogram(
+    "ledgerbox_inbox_handler_duration_seconds",
+    "Wall time of one attempt: inbox insert, handler and commit, in seconds.",
+    ["group"],
+)
+REDIS_DEGRADED = Gauge(
+    "ledgerbox_inbox_redis_degraded",
+    "1 while Redis is unreachable and the consumer runs on the database alone, else 0.",
+    ["group"],
+)

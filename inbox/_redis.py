@@ -1,0 +1,278 @@
+"""The Redis edges of the inbox: a dedup hint store and a per-aggregate lock with fencing.
+
+Both are typed Protocols with a real implementation here and in-memory ones in
+:mod:`inbox.testing`. Redis is never the source of truth (G6): the "done" key is written only
+after the database commit, the "in progress" marker and the lock expire by Redis's own clock
+(TTL; never compared across machines), and every Redis failure is translated here into
+:class:`inbox.RedisUnavailableError`, which the consumer survives.
+
+Lock recipe: Redis docs, "Distributed locks with Redis" (single instance: ``SET key token NX
+PX ttl``; release and renew only if the value is still our token, atomically, in Lua).
+Fencing tokens: Martin Kleppmann, "How to do distributed locking" (2016): the protected
+resource refuses writes carrying a token lower than one it has seen.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from inbox._errors import RedisUnavailableError
+
+__all__ = [
+    "AggregateLock",
+    "DedupStore",
+    "LockLease",
+    "RedisAggregateLock",
+    "RedisDedupStore",
+    "new_token",
+    "redis_client",
+]
+
+T = TypeVar("T")
+
+# Compare-and-delete: delete only if the key still holds our token. Returns 1 if we owned it.
+RELEASE_LUA = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('del', KEYS[1])
+end
+return 0
+"""
+
+# Compare-and-pexpire: extend only if the key still holds our token. Returns 1 if we own it.
+RENEW_LUA = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+# Take the lock and hand out a fencing token in one atomic step. The token is INCR of a
+# counter that never expires, raised to at least Redis's own clock in microseconds, so tokens
+# keep growing even if the counter key is lost (FLUSHALL, failover to an empty replica).
+ACQUIRE_LUA = """
+if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local now = redis.call('time')
+  local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  local token = redis.call('incr', KEYS[2])
+  if token < floor then
+    redis.call('set', KEYS[2], string.format('%d', floor))
+    token = floor
+  end
+  return token
+end
+return 0
+"""
+
+
+def new_token() -> str:
+    """A random lock owner token (128 bits)."""
+    return secrets.token_hex(16)
+
+
+def redis_client(url: str, *, timeout_s: float = 0.5) -> Redis:
+    """A ``redis.asyncio`` client whose calls fail fast instead of stalling the consumer.
+
+    Parameters
+    ----------
+    url : str
+        ``redis://host:port/db``.
+    timeout_s : float
+        Socket and connect timeout in seconds. Client-side retries are off: the consumer
+        decides what to do when Redis is down (skip it and probe later).
+    """
+    return Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+        health_check_interval=0,
+    )
+
+
+async def _guard(call: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return await call()
+    except (TimeoutError, RedisError, OSError) as exc:
+        raise RedisUnavailableError(f"redis: {type(exc).__name__}: {exc}") from exc
+
+
+@runtime_checkable
+class DedupStore(Protocol):
+    """Fast-path hints about events of a consumer group. Never the source of truth.
+
+    All methods raise :class:`inbox.RedisUnavailableError` when the store cannot answer.
+    """
+
+    async def is_done(self, group: str, event_id: uuid.UUID) -> bool:
+        """True if a "done" key says the event's effect committed (a hint)."""
+        ...
+
+    async def mark_done(self, group: str, event_id: uuid.UUID, ttl_s: float) -> None:
+        """Record "done" for ``ttl_s`` seconds. Call only after the database commit."""
+        ...
+
+    async def done_among(self, group: str, event_ids: list[uuid.UUID]) -> set[uuid.UUID]:
+        """The ids among ``event_ids`` whose "done" key is set (one round trip)."""
+        ...
+
+    async def mark_done_many(self, group: str, event_ids: list[uuid.UUID], ttl_s: float) -> None:
+        """:meth:`mark_done` for several events (one round trip). Only after the DB commit."""
+        ...
+
+    async def claim(self, group: str, event_id: uuid.UUID, owner: str, ttl_ms: int) -> bool:
+        """Set the "in progress" marker (``SET NX PX``); False if another owner holds it."""
+        ...
+
+    async def unclaim(self, group: str, event_id: uuid.UUID, owner: str) -> None:
+        """Drop our "in progress" marker (compare-and-delete)."""
+        ...
+
+    async def ping(self) -> None:
+        """Return if the store answers."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LockLease:
+    """A held aggregate lock.
+
+    Attributes
+    ----------
+    name : str
+        The aggregate the lock protects.
+    token : str
+        Random owner token stored in the lock key.
+    fencing_token : int
+        Strictly larger than any token handed out before for this aggregate.
+    """
+
+    name: str
+    token: str
+    fencing_token: int
+
+
+@runtime_checkable
+class AggregateLock(Protocol):
+    """A per-aggregate lease with a TTL and fencing tokens.
+
+    All methods raise :class:`inbox.RedisUnavailableError` when the lock service cannot answer.
+    """
+
+    async def acquire(self, name: str, ttl_ms: int) -> LockLease | None:
+        """Take the lock for ``ttl_ms`` ms; ``None`` if another owner holds it."""
+        ...
+
+    async def renew(self, lease: LockLease, ttl_ms: int) -> bool:
+        """Extend our lock to ``ttl_ms`` ms from now; False if we no longer own it."""
+        ...
+
+    async def release(self, lease: LockLease) -> bool:
+        """Release our lock; False if it had expired or another owner holds it now."""
+        ...
+
+    async def ping(self) -> None:
+        """Return if the lock service answers."""
+        ...
+
+
+class RedisDedupStore:
+    """:class:`DedupStore` on Redis. Keys: ``<prefix>inbox:<group>:done|busy:<event id>``.
+
+    Parameters
+    ----------
+    client : redis.asyncio.Redis
+        See :func:`redis_client` for one with short timeouts.
+    prefix : str
+        Key prefix (namespace), e.g. ``"ledgerbox:"``.
+    """
+
+    def __init__(self, client: Redis, prefix: str = "ledgerbox:") -> None:
+        self.client = client
+        self.prefix = prefix
+        self._unclaim = client.register_script(RELEASE_LUA)
+
+    def _key(self, kind: str, group: str, event_id: uuid.UUID) -> str:
+        return f"{self.prefix}inbox:{group}:{kind}:{event_id}"
+
+    async def is_done(self, group: str, event_id: uuid.UUID) -> bool:
+        key = self._key("done", group, event_id)
+        return bool(await _guard(lambda: self.client.exists(key)))
+
+    async def mark_done(self, group: str, event_id: uuid.UUID, ttl_s: float) -> None:
+        key = self._key("done", group, event_id)
+        await _guard(lambda: self.client.set(key, b"1", px=max(1, int(ttl_s * 1000))))
+
+    async def done_among(self, group: str, event_ids: list[uuid.UUID]) -> set[uuid.UUID]:
+        if not event_ids:
+            return set()
+        keys = [self._key("done", group, e) for e in event_ids]
+        found = await _guard(lambda: self.client.mget(keys))
+        return {e for e, value in zip(event_ids, found, strict=True) if value is not None}
+
+    async def mark_done_many(self, group: str, event_ids: list[uuid.UUID], ttl_s: float) -> None:
+        if not event_ids:
+            return
+        ttl_ms = max(1, int(ttl_s * 1000))
+
+        async def write() -> None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for e in event_ids:
+                    pipe.set(self._key("done", group, e), b"1", px=ttl_ms)
+                await pipe.execute()
+
+        await _guard(write)
+
+    async def claim(self, group: str, event_id: uuid.UUID, owner: str, ttl_ms: int) -> bool:
+        key = self._key("busy", group, event_id)
+        return bool(await _guard(lambda: self.client.set(key, owner, nx=True, px=ttl_ms)))
+
+    async def unclaim(self, group: str, event_id: uuid.UUID, owner: str) -> None:
+        key = self._key("busy", group, event_id)
+        await _guard(lambda: self._unclaim(keys=[key], args=[owner]))
+
+    async def ping(self) -> None:
+        await _guard(lambda: cast(Awaitable[Any], self.client.ping()))
+
+
+class RedisAggregateLock:
+    """:class:`AggregateLock` on one Redis instance.
+
+    Keys: ``<prefix>lock:<name>`` (owner token, PX TTL) and ``<prefix>fence:<name>`` (fencing
+    counter, no TTL).
+    """
+
+    def __init__(self, client: Redis, prefix: str = "ledgerbox:") -> None:
+        self.client = client
+        self.prefix = prefix
+        self._acquire = client.register_script(ACQUIRE_LUA)
+        self._renew = client.register_script(RENEW_LUA)
+        self._release = client.register_script(RELEASE_LUA)
+
+    async def acquire(self, name: str, ttl_ms: int) -> LockLease | None:
+        token = new_token()
+        keys = [f"{self.prefix}lock:{name}", f"{self.prefix}fence:{name}"]
+        fence = await _guard(lambda: self._acquire(keys=keys, args=[token, ttl_ms]))
+        if not fence:
+            return None
+        return LockLease(name=name, token=token, fencing_token=int(fence))
+
+    async def renew(self, lease: LockLease, ttl_ms: int) -> bool:
+        key = f"{self.prefix}lock:{lease.name}"
+        return bool(await _guard(lambda: self._renew(keys=[key], args=[lease.token, ttl_ms])))
+
+    async def release(self, lease: LockLease) -> bool:
+        key = f"{self.prefix}lock:{lease.name}"
+        return bool(await _guard(lambda: self._release(keys=[key], args=[lease.token])))
+
+    async def ping(self) -> None:
+        await _guard(lambda: cast(Awaitable[Any], self.client.ping()))

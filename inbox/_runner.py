@@ -1,0 +1,259 @@
+"""The Kafka side of an inbox consumer: fetch, one worker task per partition, offset commits,
+rebalances, and the one-shot connectivity check.
+
+Offsets: a partition worker advances its position only past records whose pipeline finished
+(applied, duplicate, ignored or dead-lettered); positions are committed every
+``commit_interval_ms`` and always before a partition is given up (revoke, stop). A record
+whose processing was abandoned (revoked mid-retry) is not committed: the next owner reads it
+again and the inbox recognises it if its effect had committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from inbox._config import ConsumerConfig
+from inbox._policy import Outcome
+from inbox._redis import RedisDedupStore, redis_client
+
+if TYPE_CHECKING:
+    from inbox._consumer import InboxConsumer
+
+__all__ = ["KafkaRunner", "check_connectivity"]
+
+_log = logging.getLogger("inbox")
+
+
+class KafkaRunner:
+    """One run of an :class:`inbox.InboxConsumer` against Kafka (until :meth:`stop`)."""
+
+    def __init__(self, consumer: InboxConsumer) -> None:
+        self.consumer = consumer
+        self.config = consumer.config
+        self.stopping = asyncio.Event()
+        self.commit_wanted = asyncio.Event()
+        self.commit_lock = asyncio.Lock()
+        self.kafka: AIOKafkaConsumer | None = None
+        self.workers: dict[TopicPartition, _PartitionWorker] = {}
+        self.paused: set[TopicPartition] = set()
+
+    def stop(self) -> None:
+        """Finish: stop fetching, let in-flight records complete, commit, leave the group."""
+        self.stopping.set()
+
+    async def run(self) -> None:
+        """Consume until :meth:`stop`."""
+        config = self.config
+        kafka = AIOKafkaConsumer(
+            bootstrap_servers=config.kafka_bootstrap_servers,
+            group_id=config.group_id,
+            client_id=config.client_id or f"ledgerbox-inbox-{config.group_id}",
+            enable_auto_commit=False,
+            auto_offset_reset=config.auto_offset_reset,
+            isolation_level="read_committed",
+        )
+        self.kafka = kafka
+        if config.assignment:
+            kafka.assign([TopicPartition(t, p) for t, p in config.assignment])
+        else:
+            kafka.subscribe(list(config.topics), listener=_Listener(self))
+        await kafka.start()
+        if config.assignment:
+            self.start_workers(kafka.assignment())
+        background = [
+            asyncio.create_task(self._commit_loop()),
+            asyncio.create_task(self._probe_loop()),
+        ]
+        try:
+            await self._fetch_loop(kafka)
+        finally:
+            await self.close_workers(list(self.workers))
+            for task in background:
+                task.cancel()
+            for task in background:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            with contextlib.suppress(KafkaError):
+                await kafka.stop()
+            self.kafka = None
+
+    async def _fetch_loop(self, kafka: AIOKafkaConsumer) -> None:
+        high = self.config.max_buffered_records
+        while not self.stopping.is_set():
+            batches = await kafka.getmany(timeout_ms=100, max_records=500)
+            for tp, records in batches.items():
+                worker = self.workers.get(tp)
+                if worker is None or worker.closing:
+                    continue  # revoked meanwhile: the next owner reads it from the commit
+                worker.feed(records)
+                if len(worker.queue) >= high and tp not in self.paused:
+                    kafka.pause(tp)
+                    self.paused.add(tp)
+            for tp in list(self.paused):
+                worker = self.workers.get(tp)
+                if worker is None or len(worker.queue) < high // 2:
+                    self.paused.discard(tp)
+                    if worker is not None:
+                        kafka.resume(tp)
+            for worker in self.workers.values():
+                if worker.task.done() and not worker.closing:
+                    worker.task.result()  # a bug in the pipeline: surface it
+
+    def start_workers(self, partitions: Sequence[TopicPartition] | set[TopicPartition]) -> None:
+        """Start a worker for each partition that has none."""
+        for tp in partitions:
+            if tp not in self.workers:
+                self.workers[tp] = _PartitionWorker(self, tp)
+
+    async def close_workers(self, partitions: Sequence[TopicPartition]) -> None:
+        """Let the in-flight records of ``partitions`` finish, commit, forget the workers.
+
+        Called on revoke before anyone else may read these partitions: no offset is lost and
+        no in-flight record is processed twice.
+        """
+        workers = [self.workers[tp] for tp in partitions if tp in self.workers]
+        await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+        await self.commit(workers)
+        for worker in workers:
+            self.workers.pop(worker.tp, None)
+            self.paused.discard(worker.tp)
+
+    async def commit(self, workers: Sequence[_PartitionWorker]) -> None:
+        """Commit the positions of ``workers`` that moved since their last commit."""
+        kafka = self.kafka
+        if kafka is None:
+            return
+        async with self.commit_lock:
+            offsets = {
+                w.tp: w.position
+                for w in workers
+                if w.position is not None and w.position != w.committed
+            }
+            if not offsets:
+                return
+            try:
+                await kafka.commit(offsets)
+            except KafkaError as exc:
+                # Rebalance in progress or broker away: the records stay uncommitted and may
+                # be redelivered, which the inbox absorbs.
+                _log.warning("offset commit failed, will retry: %r", exc)
+                return
+            for worker in workers:
+                if worker.tp in offsets:
+                    worker.committed = offsets[worker.tp]
+
+    async def _commit_loop(self) -> None:
+        interval_s = self.config.commit_interval_ms / 1000
+        while True:
+            await self.commit_wanted.wait()
+            self.commit_wanted.clear()
+            await self.commit(list(self.workers.values()))
+            await asyncio.sleep(interval_s)
+
+    async def _probe_loop(self) -> None:
+        consumer = self.consumer
+        while True:
+            await asyncio.sleep(self.config.redis_probe_interval_s)
+            store = consumer.dedup or consumer.lock
+            if store is not None:
+                await consumer.gate.probe(store.ping)
+
+
+class _PartitionWorker:
+    """Processes one partition's records strictly in order."""
+
+    def __init__(self, runner: KafkaRunner, tp: TopicPartition) -> None:
+        self.runner = runner
+        self.tp = tp
+        self.queue: deque[Any] = deque()
+        self.closing = False
+        self.position: int | None = None  # offset to commit: last finished + 1
+        self.committed: int | None = None
+        self._wake = asyncio.Event()
+        self.task = asyncio.create_task(self._run(), name=f"inbox-{tp.topic}-{tp.partition}")
+
+    def feed(self, records: Sequence[Any]) -> None:
+        self.queue.extend(records)
+        self._wake.set()
+
+    async def close(self) -> None:
+        self.closing = True
+        self.queue.clear()
+        self._wake.set()
+        await self.task
+
+    async def _run(self) -> None:
+        consumer = self.runner.consumer
+        while True:
+            while not self.queue:
+                if self.closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+            if self.closing:
+                return
+            take = min(len(self.queue), consumer.config.batch_max_records)
+            records = [self.queue.popleft() for _ in range(take)]
+            outcomes = await consumer.process_batch(records, abandon=lambda: self.closing)
+            for record, outcome in zip(records, outcomes, strict=False):
+                if outcome is Outcome.ABANDONED:
+                    return
+                self.position = record.offset + 1
+            self.runner.commit_wanted.set()
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, runner: KafkaRunner) -> None:
+        self.runner = runner
+
+    async def on_partitions_revoked(self, revoked: Sequence[TopicPartition]) -> None:
+        await self.runner.close_workers(list(revoked))
+
+    async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
+        self.runner.start_workers(list(assigned))
+
+
+async def check_connectivity(config: ConsumerConfig) -> Literal["ok", "degraded", "down"]:
+    """One-shot health of a consumer's dependencies: ``down`` if PostgreSQL or Kafka does not
+    answer, ``degraded`` if only Redis does not, else ``ok``."""
+    engine = create_async_engine(config.database_url)
+    try:
+        async with asyncio.timeout(10), engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+    except Exception:
+        return "down"
+    finally:
+        await engine.dispose()
+    probe = AIOKafkaConsumer(
+        bootstrap_servers=config.kafka_bootstrap_servers, request_timeout_ms=10000
+    )
+    try:
+        async with asyncio.timeout(15):
+            await probe.start()
+            await probe.topics()
+    except Exception:
+        return "down"
+    finally:
+        with contextlib.suppress(Exception):
+            await probe.stop()
+    if config.redis_url is None:
+        return "ok"
+    client = redis_client(config.redis_url, timeout_s=config.redis_timeout_s)
+    try:
+        await RedisDedupStore(client).ping()
+    except Exception:
+        return "degraded"
+    finally:
+        with contextlib.suppress(Exception):
+            await client.aclose()
+    return "ok"

@@ -1,0 +1,117 @@
+"""One transaction of a handler, behind a thin adapter so the consumer has ONE code path.
+
+:class:`AsyncTx` wraps an ``AsyncSession`` (async handlers); :class:`SyncTx` wraps a sync
+``Session`` and runs each call in a worker thread (``asyncio.to_thread``) so sync handlers
+never block the event loop. The consumer's step sequence (insert inbox row, run handler,
+commit) is written once against :class:`Tx`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
+
+__all__ = ["AsyncTx", "Rows", "SyncTx", "Tx"]
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """The fetched result of one statement (fetched where it ran, so no cursor escapes)."""
+
+    rows: Sequence[sa.Row[Any]]
+    rowcount: int
+
+
+class Tx(Protocol):
+    """A session with an open (auto-begun) transaction, driven from async code."""
+
+    @property
+    def session(self) -> Session | AsyncSession:
+        """The session handed to the handler."""
+        ...
+
+    async def execute(
+        self, statement: sa.Executable, params: Mapping[str, Any] | None = None
+    ) -> Rows:
+        """Run one statement (with bound ``params``) inside the transaction."""
+        ...
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run the handler (awaited if async, in a worker thread if sync)."""
+        ...
+
+    async def commit(self) -> None:
+        """Commit the transaction."""
+        ...
+
+    async def close(self) -> None:
+        """Roll back whatever is not committed and release the connection."""
+        ...
+
+
+def _fetch(result: sa.Result[Any]) -> Rows:
+    rows = result.all() if getattr(result, "returns_rows", True) else []
+    return Rows(rows, getattr(result, "rowcount", -1))
+
+
+class AsyncTx:
+    """:class:`Tx` over an ``AsyncSession`` bound to ``engine``."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._session = AsyncSession(engine, expire_on_commit=False)
+
+    @property
+    def session(self) -> AsyncSession:
+        return self._session
+
+    async def execute(
+        self, statement: sa.Executable, params: Mapping[str, Any] | None = None
+    ) -> Rows:
+        return _fetch(await self._session.execute(statement, params))
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        result = fn(*args)
+        if isinstance(result, Awaitable):
+            await result
+
+    async def commit(self) -> None:
+        await self._session.commit()
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+class SyncTx:
+    """:class:`Tx` over a sync ``Session`` bound to ``engine``; every call in a worker thread.
+
+    The session is used by one thread at a time (each call is awaited before the next), which
+    is all SQLAlchemy and psycopg require.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._session = Session(engine, expire_on_commit=False)
+
+    @property
+    def session(self) -> Session:
+        return self._session
+
+    async def execute(
+        self, statement: sa.Executable, params: Mapping[str, Any] | None = None
+    ) -> Rows:
+        return await asyncio.to_thread(lambda: _fetch(self._session.execute(statement, params)))
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        await asyncio.to_thread(fn, *args)
+
+    async def commit(self) -> None:
+        await asyncio.to_thread(self._session.commit)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._session.close)

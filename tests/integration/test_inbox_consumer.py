@@ -1,0 +1,459 @@
+"""Inbox consumer against real PostgreSQL, Kafka and Redis: one effect per event and group."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import sqlalchemy as sa
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+from inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
+from inbox._metrics import DUPLICATES, PROCESSED
+from inbox.testing import kafka_parts, record_for
+from outbox import EventEnvelope, OutboxTable, OutboxWriter, TopicRouter
+
+REPO = Path(__file__).resolve().parents[2]
+metadata = sa.MetaData()
+payments = sa.Table(
+    "it_payments",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("consumer_group", sa.Text, nullable=False),
+    sa.Column("order_id", sa.Text, nullable=False),
+    sa.Column("amount", sa.Numeric(12, 2), nullable=False),
+    sa.Column("handler", sa.Text, nullable=False),
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tables(engine: Engine) -> None:
+    metadata.create_all(engine)
+
+
+def order_event(
+    topic: str, order_id: str, amount: str = "100.00", kind: str = "OrderPlaced"
+) -> EventEnvelope:
+    writer = OutboxWriter(TopicRouter(default=topic), source="/order-service")
+    return writer.event(
+        event_type=kind,
+        aggregate_type="order",
+        aggregate_id=order_id,
+        payload={"order_id": order_id, "amount": amount},
+        idempotency_key=f"order:{order_id}:{kind}:{uuid.uuid4()}",
+    )
+
+
+async def produce(
+    bootstrap: str, topic: str, events: list[EventEnvelope], partition: int = 0
+) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        for event in events:
+            key, value, headers = kafka_parts(event)
+            await producer.send_and_wait(
+                topic, value=value, key=key, headers=headers, partition=partition
+            )
+    finally:
+        await producer.stop()
+
+
+async def committed(bootstrap: str, group: str, topic: str, partition: int = 0) -> int | None:
+    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
+    await probe.start()
+    try:
+        offset = await probe.committed(TopicPartition(topic, partition))
+        return None if offset is None else int(offset)
+    finally:
+        await probe.stop()
+
+
+async def poll(check: Callable[[], Awaitable[bool]], what: str, within_s: float = 60) -> None:
+    deadline = time.monotonic() + within_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def payment_rows(engine: Engine, group: str) -> list[tuple[str, Decimal, str]]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(payments.c.order_id, payments.c.amount, payments.c.handler)
+            .where(payments.c.consumer_group == group)
+            .order_by(payments.c.id)
+        ).all()
+    return [(r[0], r[1], r[2]) for r in rows]
+
+
+def make_consumer(
+    database_url: str, bootstrap: str, topic: str, group: str, **extra: Any
+) -> InboxConsumer:
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=[topic],
+            database_url=database_url,
+            kafka_bootstrap_servers=bootstrap,
+            commit_interval_ms=20,
+            **extra,
+        )
+    )
+
+    @consumer.handler("OrderPlaced")
+    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        await ctx.session.execute(
+            sa.insert(payments).values(
+                consumer_group=ctx.group_id,
+                order_id=event.payload["order_id"],
+                amount=Decimal(event.payload["amount"]),
+                handler="async",
+            )
+        )
+
+    return consumer
+
+
+@pytest_asyncio.fixture
+async def running() -> AsyncIterator[Callable[[InboxConsumer], Awaitable[None]]]:
+    started: list[tuple[InboxConsumer, asyncio.Task[None]]] = []
+
+    async def start(consumer: InboxConsumer) -> None:
+        started.append((consumer, asyncio.create_task(consumer.run())))
+
+    yield start
+    for consumer, _task in started:
+        consumer.stop()
+    for _consumer, task in started:
+        await asyncio.wait_for(task, 60)
+
+
+async def test_same_event_delivered_five_times_applies_once(
+    database_url: str,
+    engine: Engine,
+    kafka_bootstrap: str,
+    new_topic: Any,
+    redis_url: str,
+    redis_prefix: str,
+    running: Any,
+) -> None:
+    topic = await new_topic.acreate("inbox-dup", partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    event = order_event(topic, "17")
+    await produce(kafka_bootstrap, topic, [event] * 5)
+    before_db = DUPLICATES.labels(group, "db")._value.get()
+    consumer = make_consumer(
+        database_url,
+        kafka_bootstrap,
+        topic,
+        group,
+        redis_url=redis_url,
+        redis_key_prefix=redis_prefix,
+    )
+    await running(consumer)
+
+    async def all_committed() -> bool:
+        return await committed(kafka_bootstrap, group, topic) == 5
+
+    await poll(all_committed, "offset 5 committed")
+    assert payment_rows(engine, group) == [("17", Decimal("100.00"), "async")]
+    assert PROCESSED.labels(group)._value.get() == 1
+    redis_dups = DUPLICATES.labels(group, "redis")._value.get()
+    db_dups = DUPLICATES.labels(group, "db")._value.get() - before_db
+    assert redis_dups + db_dups == 4  # whichever path caught them (Redis is shared, may blink)
+
+
+def app_from_env() -> InboxConsumer:
+    """Factory for `python -m inbox run --app ...` in a subprocess (see the kill -9 test)."""
+    env = os.environ
+    return make_consumer(
+        env["INBOX_IT_DATABASE_URL"],
+        env["KAFKA_BOOTSTRAP_SERVERS"],
+        env["INBOX_IT_TOPIC"],
+        env["INBOX_IT_GROUP"],
+        redis_url=env.get("INBOX_IT_REDIS_URL") or None,
+        redis_key_prefix=env.get("INBOX_IT_REDIS_PREFIX", "ledgerbox:"),
+    )
+
+
+def start_cli(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "inbox",
+                "run",
+                "--app",
+                "tests.integration.test_inbox_consumer:app_from_env",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def test_redelivery_after_kill_between_db_commit_and_offset_commit(
+    database_url: str,
+    engine: Engine,
+    kafka_bootstrap: str,
+    new_topic: Any,
+    redis_url: str,
+    redis_prefix: str,
+    tmp_path: Path,
+) -> None:
+    topic = await new_topic.acreate("inbox-kill", partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    event = order_event(topic, "21", "42.50")
+    await produce(kafka_bootstrap, topic, [event])
+    marker = tmp_path / "stalled"
+    env = {
+        **os.environ,
+        "INBOX_IT_DATABASE_URL": database_url,
+        "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "INBOX_IT_TOPIC": topic,
+        "INBOX_IT_GROUP": group,
+        "INBOX_IT_REDIS_URL": redis_url,
+        "INBOX_IT_REDIS_PREFIX": redis_prefix,
+        "LEDGERBOX_INBOX_TEST_STALL_AFTER_COMMIT": str(marker),
+    }
+    log = tmp_path / "consumer.log"
+    first = start_cli(env, log)
+    try:
+
+        async def stalled() -> bool:
+            assert first.poll() is None, log.read_text()
+            return marker.exists()
+
+        await poll(stalled, "the consumer to stall after its DB commit")
+        # The effect committed, the offset did not, Redis never heard of it.
+        assert payment_rows(engine, group) == [("21", Decimal("42.50"), "async")]
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert await committed(kafka_bootstrap, group, topic) is None
+
+    env.pop("LEDGERBOX_INBOX_TEST_STALL_AFTER_COMMIT")
+    second = start_cli(env, log)
+    try:
+
+        async def caught_up() -> bool:
+            assert second.poll() is None, log.read_text()
+            return await committed(kafka_bootstrap, group, topic) == 1
+
+        await poll(caught_up, "the restarted consumer to commit the redelivered record")
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(60) == 0, log.read_text()
+    assert payment_rows(engine, group) == [("21", Decimal("42.50"), "async")]
+
+
+async def test_two_consumer_groups_each_apply_the_event_once(
+    database_url: str, engine: Engine, kafka_bootstrap: str, new_topic: Any, running: Any
+) -> None:
+    topic = await new_topic.acreate("inbox-groups", partitions=2)
+    groups = [f"ga-{uuid.uuid4().hex[:8]}", f"gb-{uuid.uuid4().hex[:8]}"]
+    event = order_event(topic, "31")
+    await produce(kafka_bootstrap, topic, [event, event], partition=1)
+    for group in groups:
+        await running(make_consumer(database_url, kafka_bootstrap, topic, group))
+
+    async def both_done() -> bool:
+        offsets = [await committed(kafka_bootstrap, g, topic, 1) for g in groups]
+        return offsets == [2, 2]
+
+    await poll(both_done, "both groups to commit")
+    for group in groups:
+        assert payment_rows(engine, group) == [("31", Decimal("100.00"), "async")]
+
+
+async def test_sync_and_async_handlers_apply_and_stage_outbox_events(
+    database_url: str, engine: Engine, kafka_bootstrap: str
+) -> None:
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    topic = "orders.events"
+    writer = OutboxWriter(TopicRouter(default="payments.events"), source="/payment-service")
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=[topic],
+            database_url=database_url,
+            kafka_bootstrap_servers=kafka_bootstrap,
+        )
+    )
+    threads: list[str] = []
+
+    def paid_event(order_id: str) -> EventEnvelope:
+        return writer.event(
+            event_type="PaymentSucceeded",
+            aggregate_type="payment",
+            aggregate_id=order_id,
+            payload={"order_id": order_id},
+            idempotency_key=f"pay:{group}:{order_id}",
+        )
+
+    @consumer.handler("OrderPlaced")
+    async def pay_async(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        assert isinstance(ctx.session, AsyncSession)
+        await ctx.session.execute(
+            sa.insert(payments).values(
+                consumer_group=group,
+                order_id=event.payload["order_id"],
+                amount=Decimal(event.payload["amount"]),
+                handler="async",
+            )
+        )
+        writer.stage(ctx.session, paid_event(event.payload["order_id"]))
+
+    @consumer.handler("OrderPlacedSync")
+    def pay_sync(ctx: HandlerContext[Session], event: EventEnvelope) -> None:
+        import threading
+
+        assert isinstance(ctx.session, Session)
+        threads.append(threading.current_thread().name)
+        ctx.session.execute(
+            sa.insert(payments).values(
+                consumer_group=group,
+                order_id=event.payload["order_id"],
+                amount=Decimal(event.payload["amount"]),
+                handler="sync",
+            )
+        )
+        writer.stage(ctx.session, paid_event(event.payload["order_id"]))
+
+    try:
+        e1 = order_event(topic, "41")
+        e2 = order_event(topic, "42", "7.25", kind="OrderPlacedSync")
+        outcomes = [
+            await consumer.process_record(record_for(e, offset=i))
+            for i, e in enumerate([e1, e2, e1, e2])
+        ]
+    finally:
+        await consumer.aclose()
+    assert outcomes == [Outcome.APPLIED, Outcome.APPLIED, Outcome.DUPLICATE, Outcome.DUPLICATE]
+    assert payment_rows(engine, group) == [
+        ("41", Decimal("100.00"), "async"),
+        ("42", Decimal("7.25"), "sync"),
+    ]
+    assert threads and threads[0] != "MainThread"
+    outbox = OutboxTable().table
+    with engine.connect() as conn:
+        staged = (
+            conn.execute(
+                sa.select(outbox.c.aggregate_id)
+                .where(outbox.c.idempotency_key.like(f"pay:{group}:%"))
+                .order_by(outbox.c.id)
+            )
+            .scalars()
+            .all()
+        )
+    assert staged == ["41", "42"]
+
+
+async def test_rebalance_to_a_second_consumer_loses_no_offset_and_applies_once(
+    database_url: str, engine: Engine, kafka_bootstrap: str, new_topic: Any, running: Any
+) -> None:
+    topic = await new_topic.acreate("inbox-rebalance", partitions=3)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    events = [order_event(topic, f"r{i}", "1.00") for i in range(30)]
+    for p in range(3):
+        await produce(kafka_bootstrap, topic, events[p::3], partition=p)
+    first = make_consumer(database_url, kafka_bootstrap, topic, group)
+    await running(first)
+    await poll(lambda: _count_async(engine, group, 1), "the first consumer to start applying")
+    second = make_consumer(database_url, kafka_bootstrap, topic, group)
+    await running(second)
+    more = [order_event(topic, f"s{i}", "1.00") for i in range(30)]
+    for p in range(3):
+        await produce(kafka_bootstrap, topic, more[p::3], partition=p)
+
+    async def all_committed() -> bool:
+        offsets = [await committed(kafka_bootstrap, group, topic, p) for p in range(3)]
+        return offsets == [20, 20, 20]
+
+    await poll(all_committed, "all 60 records committed", within_s=120)
+    rows = payment_rows(engine, group)
+    assert sorted(r[0] for r in rows) == sorted(e.payload["order_id"] for e in events + more)
+
+
+async def _count_async(engine: Engine, group: str, at_least: int) -> bool:
+    return len(payment_rows(engine, group)) >= at_least
+
+
+async def test_batch_applies_once_in_order_and_falls_back_one_by_one_on_error(
+    database_url: str, engine: Engine, kafka_bootstrap: str
+) -> None:
+    from inbox.testing import FakeRecord, InMemoryDeadLetterPublisher
+
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    parked = InMemoryDeadLetterPublisher()
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=["orders"],
+            database_url=database_url,
+            kafka_bootstrap_servers=kafka_bootstrap,
+            max_attempts=2,
+            retry_base_s=0.01,
+        ),
+        dead_letters=parked,
+    )
+    order: list[str] = []
+
+    @consumer.handler("OrderPlaced")
+    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        order.append(event.payload["order_id"])
+        if event.payload["order_id"] == "boom":
+            raise ValueError("permanent: cannot pay this order")
+        await ctx.session.execute(
+            sa.insert(payments).values(
+                consumer_group=group,
+                order_id=event.payload["order_id"],
+                amount=Decimal(event.payload["amount"]),
+                handler="async",
+            )
+        )
+
+    e1, e2, boom, e4 = (order_event("orders", o) for o in ("b1", "b2", "boom", "b4"))
+    events = [e1, e2, e1, boom, e4]
+    records = [record_for(e, offset=i) for i, e in enumerate(events)]
+    poison = FakeRecord("orders", 0, 5, b"k", b"\xff", ())
+    after = record_for(order_event("orders", "b6"), offset=6)
+    try:
+        first = await consumer.process_batch([*records, poison, after])
+        again = await consumer.process_batch(records[:3])
+    finally:
+        await consumer.aclose()
+    assert first == [
+        Outcome.APPLIED,
+        Outcome.APPLIED,
+        Outcome.DUPLICATE,
+        Outcome.DEAD_LETTERED,
+        Outcome.APPLIED,
+        Outcome.DEAD_LETTERED,
+        Outcome.APPLIED,
+    ]
+    assert again == [Outcome.DUPLICATE] * 3
+    assert [r[0] for r in payment_rows(engine, group)] == ["b1", "b2", "b4", "b6"]
+    assert [topic for topic, *_ in parked.records] == ["orders.dlq", "orders.dlq"]
+    # The batch ran b1, b2, boom (rolled back), then one by one: b1, b2, boom (permanent: one
+    # attempt, dead-lettered), b4; b6 after the poison record.
+    assert order == ["b1", "b2", "boom", "b1", "b2", "boom", "b4", "b6"]

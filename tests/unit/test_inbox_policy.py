@@ -1,0 +1,232 @@
+"""Pure inbox policy: retry classification, retry bounds, inbox state transitions, config."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import psycopg
+import psycopg.errors as pe
+import pytest
+import sqlalchemy.exc as sa_exc
+
+import inbox
+from inbox import (
+    ConsumerConfig,
+    FencedWriteError,
+    InboxError,
+    InboxStatus,
+    LockBusyError,
+    VersionConflictError,
+)
+from inbox._config import RetentionWarning
+from inbox._deadletter import dead_letter_headers
+from inbox._policy import ErrorClass, check_transition, classify, should_retry
+from outbox import EnvelopeParseError, LedgerboxError
+
+
+class _Diag:
+    def __init__(self, constraint_name: str | None) -> None:
+        self.constraint_name = constraint_name
+
+
+class FakeUniqueViolation(Exception):
+    sqlstate = "23505"
+
+    def __init__(self, constraint: str | None) -> None:
+        super().__init__("duplicate key value violates unique constraint (text never read)")
+        self.diag = _Diag(constraint)
+
+
+def wrapped(orig: Exception) -> BaseException:
+    return sa_exc.DBAPIError.instance("INSERT ...", {}, orig, psycopg.Error)
+
+
+def test_public_names_are_pinned() -> None:
+    assert inbox.__all__ == [
+        "AggregateLock",
+        "ConsumerConfig",
+        "DedupStore",
+        "FencedWriteError",
+        "HandlerContext",
+        "InboxConsumer",
+        "InboxError",
+        "InboxStatus",
+        "InboxTable",
+        "LockBusyError",
+        "Outcome",
+        "RedisAggregateLock",
+        "RedisDedupStore",
+        "RedisUnavailableError",
+        "VersionConflictError",
+        "afenced_update",
+        "aupdate_versioned",
+        "fenced_update",
+        "update_versioned",
+    ]
+
+
+def test_error_tree_has_the_ledgerbox_root() -> None:
+    assert issubclass(InboxError, LedgerboxError)
+    for cls in (VersionConflictError, FencedWriteError, LockBusyError, inbox.RedisUnavailableError):
+        assert issubclass(cls, InboxError)
+    assert VersionConflictError.__module__ == "inbox"
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (pe.SerializationFailure(), ErrorClass.TRANSIENT),
+        (pe.DeadlockDetected(), ErrorClass.TRANSIENT),
+        (pe.LockNotAvailable(), ErrorClass.TRANSIENT),
+        (pe.QueryCanceled(), ErrorClass.TRANSIENT),
+        (wrapped(pe.SerializationFailure()), ErrorClass.TRANSIENT),
+        (VersionConflictError("t", {"id": 1}, 3), ErrorClass.TRANSIENT),
+        (FencedWriteError("t", {"id": 1}, 7), ErrorClass.TRANSIENT),
+        (LockBusyError("busy"), ErrorClass.TRANSIENT),
+        (TimeoutError(), ErrorClass.TRANSIENT),
+        (pe.AdminShutdown(), ErrorClass.UNAVAILABLE),
+        (pe.TooManyConnections(), ErrorClass.UNAVAILABLE),
+        (pe.ConnectionFailure(), ErrorClass.UNAVAILABLE),
+        (psycopg.OperationalError("connection refused"), ErrorClass.UNAVAILABLE),
+        (wrapped(psycopg.OperationalError("server closed the connection")), ErrorClass.UNAVAILABLE),
+        (ConnectionRefusedError(), ErrorClass.UNAVAILABLE),
+        (FakeUniqueViolation("inbox_pkey"), ErrorClass.DUPLICATE),
+        (wrapped(FakeUniqueViolation("inbox_pkey")), ErrorClass.DUPLICATE),
+        (FakeUniqueViolation("payments_order_id_key"), ErrorClass.PERMANENT),
+        (FakeUniqueViolation(None), ErrorClass.PERMANENT),
+        (pe.NotNullViolation(), ErrorClass.PERMANENT),
+        (pe.UndefinedTable(), ErrorClass.PERMANENT),
+        (EnvelopeParseError("bad"), ErrorClass.PERMANENT),
+        (ValueError("bug"), ErrorClass.PERMANENT),
+        (KeyError("amount"), ErrorClass.PERMANENT),
+    ],
+)
+def test_classify(exc: BaseException, expected: ErrorClass) -> None:
+    assert classify(exc, inbox_constraint="inbox_pkey") is expected
+
+
+def test_classify_follows_the_cause_chain() -> None:
+    try:
+        try:
+            raise pe.DeadlockDetected()
+        except pe.DeadlockDetected as inner:
+            raise RuntimeError("handler wrapped it") from inner
+    except RuntimeError as outer:
+        assert classify(outer) is ErrorClass.TRANSIENT
+
+
+def test_classify_never_reads_messages() -> None:
+    assert classify(ValueError("deadlock detected; serialization failure; 40001")) is (
+        ErrorClass.PERMANENT
+    )
+
+
+def test_should_retry_is_bounded_for_transient_and_unbounded_for_unavailable() -> None:
+    assert [should_retry(ErrorClass.TRANSIENT, n, 3) for n in (1, 2, 3, 4)] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert should_retry(ErrorClass.UNAVAILABLE, 10_000, 3)
+    assert not should_retry(ErrorClass.PERMANENT, 1, 5)
+    assert not should_retry(ErrorClass.DUPLICATE, 1, 5)
+
+
+def test_inbox_state_transitions() -> None:
+    allowed = {
+        (a, b)
+        for a, b in itertools.product([None, *InboxStatus], InboxStatus)
+        if check_transition(a, b)
+    }
+    assert allowed == {
+        (None, InboxStatus.DONE),
+        (None, InboxStatus.FAILED),
+        (InboxStatus.FAILED, InboxStatus.DONE),
+        (InboxStatus.FAILED, InboxStatus.FAILED),
+    }  # DONE is final
+
+
+def test_config_defaults_and_validation() -> None:
+    config = ConsumerConfig(
+        group_id="g",
+        topics=["a"],
+        database_url="postgresql+psycopg://x/y",
+        kafka_bootstrap_servers="k:9092",
+    )
+    assert config.dead_letter_topic_for("a") == "a.dlq"
+    assert config.retention_s == 7 * 24 * 3600 and config.max_attempts == 5
+    assert config.effective_lock_wait_ms == config.lock_ttl_ms
+    with pytest.raises(inbox.InboxError.__mro__[1]):  # outbox.LedgerboxError
+        ConsumerConfig(
+            group_id="g",
+            topics=["a"],
+            database_url="x",
+            kafka_bootstrap_servers="k",
+            inbox_table="Bad Name",
+        )
+    for bad in (
+        {"max_attempts": 0},
+        {"lock_ttl_ms": 0},
+        {"topics": "a"},
+        {"lock_aggregates": True},
+    ):
+        with pytest.raises(ValueError):
+            ConsumerConfig(
+                **{
+                    "group_id": "g",
+                    "topics": ["a"],
+                    "database_url": "x",
+                    "kafka_bootstrap_servers": "k",
+                    **bad,
+                }  # type: ignore[arg-type]
+            )
+
+
+def test_retention_shorter_than_redelivery_horizon_warns() -> None:
+    with pytest.warns(RetentionWarning):
+        ConsumerConfig(
+            group_id="g",
+            topics=["a"],
+            database_url="x",
+            kafka_bootstrap_servers="k",
+            retention_s=3600,
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ConsumerConfig(
+            group_id="g",
+            topics=["a"],
+            database_url="x",
+            kafka_bootstrap_servers="k",
+            retention_s=3600,
+            offset_retention_s=1800,
+        )
+
+
+def test_dead_letter_headers_keep_the_original_and_add_the_reason() -> None:
+    original = [("ce_id", b"1"), ("trace", b"\xff"), ("ledgerbox_attempts", b"9")]
+    headers = dead_letter_headers(
+        original,
+        error=EnvelopeParseError("value is not JSON"),
+        attempts=2,
+        topic="t",
+        partition=3,
+        offset=41,
+    )
+    assert headers[:2] == original[:2]
+    assert dict(headers) == {
+        "ce_id": b"1",
+        "trace": b"\xff",
+        "ledgerbox_error_type": b"outbox.EnvelopeParseError",
+        "ledgerbox_error_message": b"value is not JSON",
+        "ledgerbox_attempts": b"2",
+        "ledgerbox_source_topic": b"t",
+        "ledgerbox_source_partition": b"3",
+        "ledgerbox_source_offset": b"41",
+    }
+    long = dead_letter_headers(
+        [], error=ValueError("x" * 10_000), attempts=1, topic="t", partition=0, offset=0
+    )
+    assert len(dict(long)["ledgerbox_error_message"]) == 4096
