@@ -1,0 +1,103 @@
+"""The order service's reaction to payment results (runs inside the inbox transaction).
+
+Legal transitions: PENDING -> PAID (``PaymentSucceeded``) and PENDING -> CANCELLED
+(``PaymentFailed``). A result for an order that is no longer PENDING (late, duplicate under a
+new event id, contradictory) is acknowledged as a no-op and recorded as ``ignored``: an order
+never moves backwards. Every decision is written to ``order_events_applied``.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from example_services.orders._models import OrderStatus, order_events_applied, orders
+from inbox import aupdate_versioned
+from outbox import EventEnvelope
+
+__all__ = ["PAYMENT_RESULTS", "Applied", "apply_payment_result", "next_status"]
+
+#: Event type -> the status it moves a PENDING order to.
+PAYMENT_RESULTS = {
+    "PaymentSucceeded": OrderStatus.PAID,
+    "PaymentFailed": OrderStatus.CANCELLED,
+}
+
+
+class Applied(enum.Enum):
+    """What :func:`apply_payment_result` did."""
+
+    APPLIED = "applied"
+    IGNORED = "ignored"
+    UNKNOWN_ORDER = "unknown_order"
+
+
+def next_status(current: OrderStatus, event_type: str) -> OrderStatus | None:
+    """The status after ``event_type``, or ``None`` if the event must not change the order.
+
+    Pure: the whole state machine of an order's payment. Only PENDING moves.
+    """
+    target = PAYMENT_RESULTS.get(event_type)
+    if target is None or current is not OrderStatus.PENDING:
+        return None
+    return target
+
+
+async def apply_payment_result(session: AsyncSession, event: EventEnvelope) -> Applied:
+    """Apply ``PaymentSucceeded`` / ``PaymentFailed`` to its order in the caller's transaction.
+
+    Raises
+    ------
+    inbox.VersionConflictError
+        The order changed since it was read (another result raced this one): the consumer
+        rolls back and reruns, and the rerun sees the order no longer PENDING.
+    """
+    order_id = uuid.UUID(str(event.payload["order_id"]))
+    row = (
+        await session.execute(
+            sa.select(orders.c.status, orders.c.version).where(orders.c.id == order_id)
+        )
+    ).first()
+    if row is None:
+        # The order committed before its OrderPlaced was published (G1), so a payment result
+        # for an unknown order is not ours (another deployment, hand-made record): ack it.
+        return Applied.UNKNOWN_ORDER
+    current, version = OrderStatus(row.status), int(row.version)
+    target = next_status(current, event.event_type)
+    if target is None:
+        await session.execute(
+            sa.insert(order_events_applied).values(
+                order_id=order_id,
+                event_id=event.event_id,
+                event_type=event.event_type,
+                from_status=current.value,
+                to_status=current.value,
+                version_before=version,
+                version_after=version,
+                outcome=Applied.IGNORED.value,
+            )
+        )
+        return Applied.IGNORED
+    new_version = await aupdate_versioned(
+        session,
+        orders,
+        {"id": order_id},
+        version,
+        {"status": target.value, "closed_at": sa.func.clock_timestamp()},
+    )
+    await session.execute(
+        sa.insert(order_events_applied).values(
+            order_id=order_id,
+            event_id=event.event_id,
+            event_type=event.event_type,
+            from_status=current.value,
+            to_status=target.value,
+            version_before=version,
+            version_after=new_version,
+            outcome=Applied.APPLIED.value,
+        )
+    )
+    return Applied.APPLIED

@@ -1,0 +1,191 @@
+"""HTTP API of the order service (FastAPI).
+
+``POST /orders`` (header ``Idempotency-Key``, body ``{"customer_id", "amount", "currency"}``)
+writes the order (``PENDING``) and its ``OrderPlaced`` event in ONE transaction (G1):
+
+- ``201``: a new order; the event will be published by the relay.
+- ``200``: a retry with an already used key: the first order is returned, nothing is written.
+- ``400``: ``Idempotency-Key`` missing or not 1..128 visible ASCII characters.
+- ``422``: invalid body, or the key was already used for a different order.
+
+``GET /orders/{id}``: the order (``404`` if unknown). ``GET /health``, ``GET /metrics``.
+
+Run: ``uvicorn --factory example_services.orders.api:create_app``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from decimal import Decimal
+from typing import Annotated, Any
+
+import sqlalchemy as sa
+from fastapi import FastAPI, Header, HTTPException, Response
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from example_services._config import ServiceSettings, prepare_database
+from example_services._http import install_health_and_metrics, validate_idempotency_key
+from example_services.orders._models import OrderStatus, metadata, order_events_applied, orders
+from outbox import OutboxWriter, TopicRouter, idempotency_key
+
+__all__ = ["OrderOut", "PlaceOrder", "create_app", "order_writer"]
+
+SOURCE = "/order-service"
+
+
+class PlaceOrder(BaseModel):
+    """Body of ``POST /orders``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    customer_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    amount: Decimal = Field(gt=0, max_digits=12, decimal_places=2)
+    currency: str = Field(default="EUR", pattern=r"^[A-Z]{3}$")
+
+
+class OrderOut(BaseModel):
+    """An order as returned by the API (``amount`` as a decimal string)."""
+
+    id: uuid.UUID
+    customer_id: str
+    amount: Decimal
+    currency: str
+    status: OrderStatus
+    version: int
+    created_at: dt.datetime
+    closed_at: dt.datetime | None
+
+
+def order_writer(settings: ServiceSettings) -> OutboxWriter:
+    """The order service's outbox writer (``OrderPlaced`` -> ``settings.orders_topic``)."""
+    return OutboxWriter(
+        TopicRouter(by_event_type={"OrderPlaced": settings.orders_topic}), source=SOURCE
+    )
+
+
+def create_app(settings: ServiceSettings | None = None) -> FastAPI:
+    """Build the app; the database is prepared (if enabled) and connected at startup."""
+    cfg = settings or ServiceSettings()
+    writer = order_writer(cfg)
+    engines: list[AsyncEngine] = []
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        url = cfg.order_db_url()
+        if cfg.migrate_on_start:
+            await asyncio.to_thread(prepare_database, url, metadata)
+        engine = create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
+        engines.append(engine)
+        try:
+            yield
+        finally:
+            engines.clear()
+            await engine.dispose()
+
+    def current_engine() -> AsyncEngine | None:
+        return engines[0] if engines else None
+
+    def engine() -> AsyncEngine:
+        current = current_engine()
+        if current is None:
+            raise HTTPException(status_code=503, detail="starting")
+        return current
+
+    app = FastAPI(title="order-service", lifespan=lifespan)
+    install_health_and_metrics(app, "order-service", current_engine)
+
+    @app.post(
+        "/orders",
+        status_code=201,
+        response_model=OrderOut,
+        responses={
+            200: {"description": "Retry of a committed request: the first order"},
+            400: {"description": "Idempotency-Key missing or malformed"},
+            422: {"description": "Invalid body, or the key was used for a different order"},
+        },
+    )
+    async def place_order(
+        body: PlaceOrder,
+        response: Response,
+        key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+    ) -> dict[str, Any]:
+        request_key = validate_idempotency_key(key)
+        order_id = uuid.uuid4()
+        event = writer.event(
+            event_type="OrderPlaced",
+            aggregate_type="order",
+            aggregate_id=order_id,
+            aggregate_version=1,
+            payload={
+                "order_id": str(order_id),
+                "customer_id": body.customer_id,
+                "amount": str(body.amount),
+                "currency": body.currency,
+            },
+            idempotency_key=idempotency_key("order", body.customer_id, request_key),
+        )
+        async with engine().begin() as conn:
+            # The outbox row goes first: its UNIQUE idempotency key decides whether this
+            # request is new, and a concurrent twin waits here until the first one commits.
+            staged = await writer.astage_once(conn, event)
+            if staged.created:
+                await conn.execute(
+                    sa.insert(orders).values(
+                        id=order_id,
+                        customer_id=body.customer_id,
+                        amount=body.amount,
+                        currency=body.currency,
+                        status=OrderStatus.PENDING.value,
+                        version=1,
+                    )
+                )
+                await conn.execute(
+                    sa.insert(order_events_applied).values(
+                        order_id=order_id,
+                        event_id=event.event_id,
+                        event_type="OrderPlaced",
+                        from_status=None,
+                        to_status=OrderStatus.PENDING.value,
+                        version_before=0,
+                        version_after=1,
+                        outcome="applied",
+                    )
+                )
+            else:
+                first = staged.event.payload
+                if (first["customer_id"], Decimal(first["amount"]), first["currency"]) != (
+                    body.customer_id,
+                    body.amount,
+                    body.currency,
+                ):
+                    raise HTTPException(
+                        status_code=422,
+                        detail="Idempotency-Key was already used for a different order",
+                    )
+                order_id = uuid.UUID(first["order_id"])
+            row = (
+                (await conn.execute(sa.select(orders).where(orders.c.id == order_id)))
+                .mappings()
+                .one()
+            )
+        response.status_code = 201 if staged.created else 200
+        return dict(row)
+
+    @app.get("/orders/{order_id}", response_model=OrderOut)
+    async def get_order(order_id: uuid.UUID) -> dict[str, Any]:
+        async with engine().connect() as conn:
+            row = (
+                (await conn.execute(sa.select(orders).where(orders.c.id == order_id)))
+                .mappings()
+                .first()
+            )
+        if row is None:
+            raise HTTPException(status_code=404, detail=f"order {order_id} not found")
+        return dict(row)
+
+    return app

@@ -1,0 +1,52 @@
+"""The order service's consumer: payment results -> order status.
+
+Run: ``python -m inbox run --app example_services.orders.consumer:consumer``. The module
+attribute ``consumer`` is built on first access from the environment (``ServiceSettings``:
+``ORDER_DATABASE_URL`` or ``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS``, ``REDIS_URL``,
+``PAYMENTS_TOPIC``, ``ORDER_CONSUMER_GROUP``), so importing this module needs no environment.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from example_services._config import ServiceSettings
+from example_services.orders._handlers import PAYMENT_RESULTS, apply_payment_result
+from inbox import ConsumerConfig, HandlerContext, InboxConsumer
+from outbox import EventEnvelope
+
+__all__ = ["create_consumer"]
+
+
+def create_consumer(settings: ServiceSettings | None = None) -> InboxConsumer:
+    """The order service's :class:`inbox.InboxConsumer` (group ``order-service``)."""
+    cfg = settings or ServiceSettings()
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=cfg.order_consumer_group,
+            topics=[cfg.payments_topic],
+            database_url=cfg.order_db_url(),
+            kafka_bootstrap_servers=cfg.kafka_bootstrap_servers,
+            redis_url=cfg.redis_url,
+            # A payment result races nothing but a contradictory result for the same order;
+            # the order's version settles that, no lock needed.
+            lock_aggregates=False,
+            max_attempts=20,
+            retry_max_s=1.0,
+        )
+    )
+
+    async def on_payment_result(ctx: HandlerContext[Any], event: EventEnvelope) -> None:
+        await apply_payment_result(ctx.session, event)
+
+    for event_type in PAYMENT_RESULTS:
+        consumer.register(event_type, on_payment_result)
+    return consumer
+
+
+def __getattr__(name: str) -> Any:
+    if name == "consumer":
+        built = create_consumer()
+        globals()["consumer"] = built
+        return built
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
