@@ -68,6 +68,13 @@ def create_outbox_v1(op: Any, table: str = "outbox", schema: str | None = None) 
         postgresql_where=sa.text("status = 0"),
     )
     op.create_index(
+        f"ix_{name}_dead",
+        name,
+        ["partition_key", "id"],
+        schema=schema,
+        postgresql_where=sa.text("status = 2"),
+    )
+    op.create_index(
         f"ix_{name}_published_at",
         name,
         ["published_at"],

@@ -176,6 +176,14 @@ def _define_table(metadata: sa.MetaData, name: str, schema: str | None) -> sa.Ta
             "id",
             postgresql_where=sa.text("status = 0"),
         ),
+        # The relay's on_dead="hold" check ("is an earlier event of this key dead?"): tiny,
+        # only dead rows.
+        sa.Index(
+            f"ix_{name}_dead",
+            "partition_key",
+            "id",
+            postgresql_where=sa.text("status = 2"),
+        ),
         # Cleanup of published rows by age, without scanning pending ones.
         sa.Index(
             f"ix_{name}_published_at",

@@ -1,0 +1,29 @@
+"""ledgerbox ``relay``: publish committed outbox events to Kafka, in per-key commit order.
+
+Example
+-------
+>>> config = RelayConfig(database_url="postgresql+psycopg://...",
+...                      kafka_bootstrap_servers="127.0.0.1:9092")
+>>> relay = Relay(config)
+>>> await relay.run()            # doctest: +SKIP  (until relay.stop())
+
+Run it as a daemon with ``python -m relay run`` (see ``relay/_cli.py``). The read design is
+documented in ``relay._relay`` and ``docs/relay.md``.
+"""
+
+from relay._config import RelayConfig
+from relay._errors import RelayError, StoreError
+from relay._publisher import KafkaPublisher, OutboundRecord, Publisher
+from relay._relay import Relay
+from relay._table import RelayTables
+
+__all__ = [
+    "KafkaPublisher",
+    "OutboundRecord",
+    "Publisher",
+    "Relay",
+    "RelayConfig",
+    "RelayError",
+    "RelayTables",
+    "StoreError",
+]

@@ -1,0 +1,207 @@
+"""Relay drain: 200,000 pending events (~300-byte payloads, 1,000 keys) published by the real
+relay (``python -m relay run`` in a subprocess) vs a raw aiokafka producer sending the same
+records from memory with the same producer settings, in the same run.
+
+Figures: ``relay_events_per_s`` (from the first row marked to the last: startup excluded),
+``raw_events_per_s``, ``relay_vs_raw_ratio`` (target >= 0.8), ``relay_peak_rss_mb`` (VmHWM of
+the relay process; target <= 100), and the hot-key case (10 keys only): ``hot_keys_events_per_s``
+and ``hot_keys_ratio`` = hot / normal (target >= 0.5).
+
+Run: ``python -m bench relay_drain`` or ``python bench/relay_drain.py`` (services up).
+Environment: ``BENCH_RELAY_EVENTS`` (default 200000).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import fresh_database, kafka_bootstrap, write_result
+from outbox import kafka_headers, timestamp_ms
+
+EVENTS = int(os.environ.get("BENCH_RELAY_EVENTS", "200000"))
+REPO = Path(__file__).resolve().parent.parent
+PRODUCER = {
+    "acks": "all",
+    "enable_idempotence": True,
+    "compression_type": "lz4",
+    "linger_ms": 5,
+    "max_batch_size": 262_144,
+    "request_timeout_ms": 30_000,
+}
+
+
+def _rows(topic: str, keys: int) -> list[tuple[Any, ...]]:
+    now = dt.datetime.now(dt.UTC)
+    rows = []
+    for i in range(EVENTS):
+        key = f"customer-{i % keys:04d}"
+        payload = {
+            "order_id": str(uuid.uuid4()),
+            "customer": key,
+            "seq": i,
+            "amount": "100.00",
+            "currency": "EUR",
+            "note": "x" * 180,
+        }
+        rows.append(
+            (
+                uuid.uuid4(),
+                f"bench:{i}",
+                topic,
+                key,
+                zlib.crc32(key.encode()) % 64,
+                "OrderPlaced",
+                "/bench",
+                "order",
+                key,
+                i,
+                json.dumps(payload),
+                json.dumps({"traceparent": f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01"}),
+                now,
+            )
+        )
+    return rows
+
+
+def _load(url: str, rows: list[tuple[Any, ...]]) -> None:
+    with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
+        with conn.cursor().copy(
+            "COPY outbox (event_id, idempotency_key, topic, partition_key, shard, event_type, "
+            "source, aggregate_type, aggregate_id, aggregate_version, payload, headers, "
+            "occurred_at) FROM STDIN"
+        ) as copy:
+            for row in rows:
+                copy.write_row(row)
+        conn.execute("VACUUM ANALYZE outbox")
+
+
+def _pending(conn: psycopg.Connection[Any]) -> int:
+    return int(conn.execute("SELECT count(*) FROM outbox WHERE status = 0").fetchone()[0])  # type: ignore[index]
+
+
+def _relay_drain(url: str, bootstrap: str) -> tuple[float, float]:
+    """Run the relay CLI until the outbox is empty; returns (events/s, peak RSS MB)."""
+    env = {
+        **os.environ,
+        "DATABASE_URL": url,
+        "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        "LEDGERBOX_RELAY_LOG_LEVEL": "WARNING",
+    }
+    proc = subprocess.Popen([sys.executable, "-m", "relay", "run"], cwd=REPO, env=env)
+    try:
+        with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
+            start_pending = _pending(conn)
+            while (pending := _pending(conn)) == start_pending:
+                time.sleep(0.01)
+            t0, first = time.perf_counter(), pending
+            while (pending := _pending(conn)) > 0:
+                time.sleep(0.05)
+            elapsed = time.perf_counter() - t0
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        hwm_kb = int(
+            next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    return first / elapsed, hwm_kb / 1024
+
+
+async def _raw(bootstrap: str, topic: str, rows: list[tuple[Any, ...]]) -> float:
+    records = []
+    for r in rows:
+        headers = kafka_headers(
+            event_id=r[0],
+            event_type=r[5],
+            source=r[6],
+            occurred_at=r[12],
+            idempotency_key=r[1],
+            aggregate_type=r[7],
+            aggregate_id=r[8],
+            aggregate_version=r[9],
+            extra=json.loads(r[11]),
+        )
+        records.append((r[3].encode(), r[10].encode(), timestamp_ms(r[12]), headers))
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, **PRODUCER)
+    await producer.start()
+    try:
+        t0 = time.perf_counter()
+        futures = []
+        for key, value, ts, headers in records:
+            futures.append(
+                await producer.send(topic, value=value, key=key, timestamp_ms=ts, headers=headers)
+            )
+        await asyncio.gather(*futures)
+        return len(records) / (time.perf_counter() - t0)
+    finally:
+        await producer.stop()
+
+
+async def _topics(bootstrap: str, names: list[str], create: bool) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        if create:
+            await admin.create_topics(
+                [NewTopic(n, num_partitions=6, replication_factor=1) for n in names]
+            )
+        else:
+            await admin.delete_topics(names)
+    finally:
+        await admin.close()
+
+
+def _case(keys: int, bootstrap: str) -> dict[str, float]:
+    topic, raw_topic = f"bench-relay-{uuid.uuid4().hex[:8]}", f"bench-raw-{uuid.uuid4().hex[:8]}"
+    asyncio.run(_topics(bootstrap, [topic, raw_topic], create=True))
+    try:
+        rows = _rows(topic, keys)
+        with fresh_database("bench_relay") as url:
+            _load(url, rows)
+            relay_rate, rss_mb = _relay_drain(url, bootstrap)
+        raw_rate = asyncio.run(_raw(bootstrap, raw_topic, rows))
+    finally:
+        asyncio.run(_topics(bootstrap, [topic, raw_topic], create=False))
+    return {"relay": relay_rate, "raw": raw_rate, "rss_mb": rss_mb}
+
+
+def run() -> dict[str, Any]:
+    """Run both cases; return the figures."""
+    bootstrap = kafka_bootstrap()
+    normal = _case(1000, bootstrap)
+    hot = _case(10, bootstrap)
+    result = {
+        "relay_drain_events": EVENTS,
+        "relay_events_per_s": round(normal["relay"], 1),
+        "raw_events_per_s": round(normal["raw"], 1),
+        "relay_vs_raw_ratio": round(normal["relay"] / normal["raw"], 3),
+        "relay_peak_rss_mb": round(max(normal["rss_mb"], hot["rss_mb"]), 1),
+        "hot_keys_events_per_s": round(hot["relay"], 1),
+        "hot_keys_raw_events_per_s": round(hot["raw"], 1),
+        "hot_keys_ratio": round(hot["relay"] / normal["relay"], 3),
+    }
+    write_result("relay_drain", result)
+    return result
+
+
+if __name__ == "__main__":
+    for name, value in run().items():
+        print(f"{name:28} {value}")

@@ -1,0 +1,5 @@
+"""``python -m relay run|check|status``."""
+
+from relay._cli import main
+
+main()

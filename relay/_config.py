@@ -1,0 +1,139 @@
+"""Validated configuration of one relay process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from outbox import DEFAULT_SHARD_COUNT, ConfigurationError
+from outbox._identifiers import sql_identifier
+
+__all__ = ["Compression", "OnDead", "RelayConfig"]
+
+Compression = Literal["lz4", "zstd", "gzip", "snappy", "none"]
+OnDead = Literal["hold", "skip"]
+
+_COMPRESSIONS = ("lz4", "zstd", "gzip", "snappy", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class RelayConfig:
+    """Configuration of a :class:`relay.Relay`; validated when built.
+
+    Parameters
+    ----------
+    database_url : str
+        SQLAlchemy form (``postgresql+psycopg://...``) or plain libpq form (``postgresql://``).
+    kafka_bootstrap_servers : str
+        ``host:port[,host:port]``.
+    outbox_table, schema : str, str | None
+        The outbox table and its schema (``None``: the search path); SQL identifiers.
+    batch_size : int
+        Most events claimed, published and marked per batch (default 1000).
+    poll_interval_s : float
+        Polling fallback when no NOTIFY arrives, in seconds (default 1.0).
+    lease_ttl_s : float
+        Lifetime of a shard lease without renewal, in seconds (default 5.0).
+    heartbeat_interval_s : float
+        Pause between heartbeats (member row + lease renewal), in seconds (default 1.0);
+        must be below ``lease_ttl_s / 2``.
+    compression : {"lz4", "zstd", "gzip", "snappy", "none"}
+        Kafka record batch compression (lz4/zstd/snappy need ``cramjam``, a dependency).
+    on_dead : {"hold", "skip"}
+        What happens to later events of a partition key after one of its events was parked
+        dead: ``"hold"`` (default) keeps them pending until an operator replays or discards
+        the dead one (per-key order, G3); ``"skip"`` publishes them.
+    retention_s : float
+        Age after publication at which the leader deletes a row, in seconds (default 7 days).
+    relay_id : str | None
+        Name of this relay in the lease tables; ``None``: ``host-pid-random``.
+    shard_count : int
+        Number of shards; must equal the writers' ``OutboxTable.shard_count`` (default 64).
+    linger_ms : int
+        Producer linger, in milliseconds (default 5).
+    producer_batch_bytes : int
+        Producer ``max_batch_size`` per partition, in bytes (default 256 KiB).
+    request_timeout_ms : int
+        Producer request timeout, in milliseconds: a send not confirmed by then failed.
+    cleanup_interval_s, cleanup_batch_size, cleanup_pause_s : float, int, float
+        Leader's cleanup: pause between runs (s), rows per DELETE, pause between DELETEs (s).
+    backoff_max_s : float
+        Ceiling of the retry backoff, in seconds (default 10).
+
+    Raises
+    ------
+    outbox.ConfigurationError
+        If a value is out of range or a name is not a SQL identifier.
+    """
+
+    database_url: str
+    kafka_bootstrap_servers: str
+    outbox_table: str = "outbox"
+    schema: str | None = None
+    batch_size: int = 1000
+    poll_interval_s: float = 1.0
+    lease_ttl_s: float = 5.0
+    heartbeat_interval_s: float = 1.0
+    compression: Compression = "lz4"
+    on_dead: OnDead = "hold"
+    retention_s: float = 7 * 86400.0
+    relay_id: str | None = None
+    shard_count: int = DEFAULT_SHARD_COUNT
+    linger_ms: int = 5
+    producer_batch_bytes: int = 262_144
+    request_timeout_ms: int = 30_000
+    cleanup_interval_s: float = 60.0
+    cleanup_batch_size: int = 1000
+    cleanup_pause_s: float = 0.05
+    backoff_max_s: float = 10.0
+    _resolved_id: str = field(init=False, repr=False, compare=False, default="")
+
+    def __post_init__(self) -> None:
+        if not self.database_url:
+            raise ConfigurationError("database_url must not be empty")
+        if not self.kafka_bootstrap_servers:
+            raise ConfigurationError("kafka_bootstrap_servers must not be empty")
+        sql_identifier(self.outbox_table, "outbox table name")
+        if self.schema is not None:
+            sql_identifier(self.schema, "schema")
+        _check(1 <= self.batch_size <= 100_000, "batch_size must be in 1..100000")
+        _check(self.poll_interval_s > 0, "poll_interval_s must be > 0")
+        _check(self.lease_ttl_s > 0, "lease_ttl_s must be > 0")
+        _check(
+            0 < self.heartbeat_interval_s <= self.lease_ttl_s / 2,
+            "heartbeat_interval_s must be in (0, lease_ttl_s / 2]",
+        )
+        _check(self.compression in _COMPRESSIONS, f"compression must be one of {_COMPRESSIONS}")
+        _check(self.on_dead in ("hold", "skip"), "on_dead must be 'hold' or 'skip'")
+        _check(self.retention_s >= 0, "retention_s must be >= 0")
+        _check(1 <= self.shard_count <= 32767, "shard_count must be in 1..32767")
+        _check(0 <= self.linger_ms <= 10_000, "linger_ms must be in 0..10000")
+        _check(self.producer_batch_bytes >= 1024, "producer_batch_bytes must be >= 1024")
+        _check(self.request_timeout_ms >= 1000, "request_timeout_ms must be >= 1000")
+        _check(self.cleanup_interval_s > 0, "cleanup_interval_s must be > 0")
+        _check(1 <= self.cleanup_batch_size <= 100_000, "cleanup_batch_size must be 1..100000")
+        _check(self.cleanup_pause_s >= 0, "cleanup_pause_s must be >= 0")
+        _check(self.backoff_max_s >= 0.1, "backoff_max_s must be >= 0.1")
+        if self.relay_id is not None:
+            _check(0 < len(self.relay_id) <= 200, "relay_id must have 1..200 characters")
+        resolved = self.relay_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        object.__setattr__(self, "_resolved_id", resolved)
+
+    @property
+    def member_id(self) -> str:
+        """``relay_id``, or the generated ``host-pid-random`` name when it was ``None``."""
+        return self._resolved_id
+
+    @property
+    def libpq_url(self) -> str:
+        """``database_url`` without SQLAlchemy's ``+driver`` suffix, for psycopg."""
+        scheme, sep, rest = self.database_url.partition("://")
+        return f"{scheme.split('+', 1)[0]}{sep}{rest}"
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigurationError(message)

@@ -1,0 +1,35 @@
+"""Prometheus metrics of the relay (module-level, units in the names)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+__all__ = [
+    "DEAD_EVENTS",
+    "OLDEST_PENDING_AGE",
+    "OWNED_SHARDS",
+    "PENDING_EVENTS",
+    "PUBLISHED",
+    "PUBLISH_BATCH_DURATION",
+    "RETRIES",
+]
+
+PENDING_EVENTS = Gauge(
+    "ledgerbox_relay_pending_events", "Outbox rows not yet published (leader's last count)"
+)
+OLDEST_PENDING_AGE = Gauge(
+    "ledgerbox_relay_oldest_pending_age_seconds", "Age of the oldest pending outbox row"
+)
+PUBLISHED = Counter("ledgerbox_relay_published_total", "Events confirmed by Kafka and marked")
+PUBLISH_BATCH_DURATION = Histogram(
+    "ledgerbox_relay_publish_batch_duration_seconds",
+    "Claim + publish + mark of one batch",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+RETRIES = Counter(
+    "ledgerbox_relay_retries_total",
+    "Retries after a failure, by stage (publish, mark, db, listen, producer)",
+    ["stage"],
+)
+DEAD_EVENTS = Counter("ledgerbox_relay_dead_events_total", "Events parked dead (status 2)")
+OWNED_SHARDS = Gauge("ledgerbox_relay_owned_shards", "Shards this relay holds a lease on")

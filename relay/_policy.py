@@ -1,0 +1,180 @@
+"""Pure policy of the relay: fair share, lease bookkeeping, error classes, on-dead rule.
+
+No clock and no I/O: callers pass monotonic times in. Unit-tested in
+``tests/unit/test_relay_policy.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from aiokafka import errors as kerr
+
+__all__ = [
+    "LEADER_SHARD",
+    "ErrorKind",
+    "Lease",
+    "LeaseBook",
+    "classify_publish_error",
+    "fair_share",
+    "held_after_reject",
+]
+
+#: Lease row whose owner is the maintenance leader (cleanup, gauges). Not a data shard.
+LEADER_SHARD = -1
+
+# A record Kafka refuses for good: retrying the same bytes to the same topic cannot succeed.
+# Source: Kafka protocol error codes (MESSAGE_TOO_LARGE 10, INVALID_TOPIC_EXCEPTION 17,
+# RECORD_LIST_TOO_LARGE 18, TOPIC_AUTHORIZATION_FAILED 29, INVALID_TIMESTAMP 32,
+# UNSUPPORTED_FOR_MESSAGE_FORMAT 43, POLICY_VIOLATION 44, CORRUPT_MESSAGE 2) and aiokafka's
+# client-side RecordTooLargeError / MessageSizeTooLargeError.
+_PERMANENT: tuple[type[BaseException], ...] = (
+    kerr.MessageSizeTooLargeError,
+    kerr.RecordTooLargeError,
+    kerr.RecordListTooLargeError,
+    kerr.InvalidTopicError,
+    kerr.TopicAuthorizationFailedError,
+    kerr.InvalidTimestampError,
+    kerr.UnsupportedForMessageFormatError,
+    kerr.PolicyViolationError,
+    kerr.CorruptRecordException,
+)
+
+
+class ErrorKind(enum.Enum):
+    """How to react to a failed send."""
+
+    TRANSIENT = "transient"  # keep the row pending, back off, send again (same key, same id)
+    PERMANENT = "permanent"  # park the row as dead with the reason
+
+
+def classify_publish_error(exc: BaseException) -> ErrorKind:
+    """Classify a publish failure by exception class (never by message text).
+
+    Anything not known to be permanent is transient: a wrong "transient" costs retries, a
+    wrong "permanent" would park a good event.
+    """
+    if isinstance(exc, _PERMANENT):
+        return ErrorKind.PERMANENT
+    return ErrorKind.TRANSIENT
+
+
+def fair_share(shard_count: int, live_members: int) -> int:
+    """Shards one relay should own: ``ceil(shard_count / live_members)`` (at least 1 member)."""
+    return math.ceil(shard_count / max(1, live_members))
+
+
+def held_after_reject(on_dead: str, key: str, rejected_keys: set[str]) -> bool:
+    """True if an event of ``key`` must wait because an earlier event of the key is dead.
+
+    ``"hold"`` keeps per-key order (G3): later events wait for the operator. ``"skip"``
+    publishes them.
+    """
+    return on_dead == "hold" and key in rejected_keys
+
+
+@dataclass(slots=True)
+class Lease:
+    """A shard this relay holds: the fence it holds it under and a local monotonic deadline."""
+
+    shard: int
+    fence: int
+    deadline: float
+    draining: bool = False
+
+
+class LeaseBook:
+    """What this relay believes it owns, driven by the results of the lease statements.
+
+    The local deadline is ``(monotonic time when the renewing statement was SENT) + ttl -
+    margin``: the database set ``expires_at = now() + ttl`` later than that, so the relay
+    stops publishing a shard before any other relay can take it over, even when it cannot
+    reach the database to learn that it lost it.
+
+    Parameters
+    ----------
+    ttl_s : float
+        Lease lifetime in seconds.
+    margin_s : float
+        Safety margin in seconds subtracted from the local deadline.
+    """
+
+    def __init__(self, ttl_s: float, margin_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.margin_s = margin_s
+        self._leases: dict[int, Lease] = {}
+
+    def granted(self, grants: Iterable[tuple[int, int]], sent_at: float) -> list[int]:
+        """Record acquired leases ``(shard, fence)``; returns the newly owned data shards."""
+        new: list[int] = []
+        for shard, fence in grants:
+            if shard not in self._leases and shard != LEADER_SHARD:
+                new.append(shard)
+            self._leases[shard] = Lease(shard, fence, sent_at + self.ttl_s - self.margin_s)
+        return sorted(new)
+
+    def renewed(self, grants: Iterable[tuple[int, int]], sent_at: float) -> list[int]:
+        """Apply a renewal result; returns the shards that were NOT renewed (lost, dropped)."""
+        kept = dict(grants)
+        lost = [s for s in self._leases if s not in kept or kept[s] != self._leases[s].fence]
+        for shard in lost:
+            del self._leases[shard]
+        deadline = sent_at + self.ttl_s - self.margin_s
+        for lease in self._leases.values():
+            lease.deadline = deadline
+        return sorted(lost)
+
+    def held(self) -> list[tuple[int, int]]:
+        """``(shard, fence)`` of every lease held, leader lease included."""
+        return sorted((lease.shard, lease.fence) for lease in self._leases.values())
+
+    def usable(self, now: float) -> list[int]:
+        """Data shards this relay may publish now: held, not draining, before the deadline."""
+        return sorted(
+            lease.shard
+            for lease in self._leases.values()
+            if lease.shard != LEADER_SHARD and not lease.draining and lease.deadline > now
+        )
+
+    def fence(self, shard: int) -> int:
+        """The fence this relay holds ``shard`` under (``KeyError`` if not held)."""
+        return self._leases[shard].fence
+
+    def is_leader(self, now: float) -> bool:
+        """True if this relay holds the leader lease and its deadline has not passed."""
+        lease = self._leases.get(LEADER_SHARD)
+        return lease is not None and lease.deadline > now
+
+    def data_shards(self) -> list[int]:
+        """Data shards held (draining ones included), ignoring deadlines."""
+        return sorted(s for s in self._leases if s != LEADER_SHARD)
+
+    def plan(self, share: int) -> tuple[int, list[int]]:
+        """``(how many shards to acquire, which shards to drain)`` to reach ``share``.
+
+        Draining shards are not claimed any more and released once no batch holds them.
+        The highest-numbered shards are drained first, so the choice is deterministic.
+        """
+        active = [s for s in self.data_shards() if not self._leases[s].draining]
+        if len(active) < share:
+            return share - len(active), []
+        extras = active[share:]
+        for shard in extras:
+            self._leases[shard].draining = True
+        return 0, extras
+
+    def draining(self) -> list[int]:
+        """Shards marked to be released."""
+        return sorted(s for s, lease in self._leases.items() if lease.draining)
+
+    def drop(self, shards: Iterable[int]) -> None:
+        """Forget leases (after a release, or when they are lost)."""
+        for shard in shards:
+            self._leases.pop(shard, None)
+
+    def expire_all(self) -> None:
+        """Forget every lease (e.g. on shutdown)."""
+        self._leases.clear()

@@ -1,0 +1,623 @@
+"""The relay daemon: publish committed outbox events to Kafka, in per-key commit order.
+
+Read design: status marking inside leased shards
+------------------------------------------------
+Every outbox row carries ``shard = crc32(partition_key) % shard_count`` (written by the
+producer, see ``outbox.shard_of``). A relay publishes only shards it holds a lease on
+(``<outbox>_relay_lease``: shard, owner, fence, expires_at); one owner per shard at a time
+means events of one key are sent by one relay, one batch after the other, in id order (G3).
+
+Heartbeat (every ``heartbeat_interval_s``, its own connection; times are the DATABASE's
+``now()``, never a relay's clock):
+
+1. upsert the member row (``<outbox>_relay_member``), count live members; fair share =
+   ``ceil(shard_count / live)``;
+2. renew own leases under their fences; a shard not renewed is LOST and no longer published;
+3. below the fair share: acquire free or expired shards (``fence + 1``; ``FOR UPDATE SKIP
+   LOCKED`` in a subselect so two relays never take the same one);
+4. above it: drain the extras (not claimed any more) and release them once no batch in
+   flight holds them.
+
+Each lease also has a local monotonic deadline (send time of the last successful renewal +
+ttl - margin): when it passes without renewal (database unreachable) the shard is no longer
+published, so a relay cut off from the database never competes with the relay that took its
+shard over. Lease row ``-1`` elects the maintenance leader (cleanup of published rows,
+pending gauges).
+
+Per batch: claim up to ``batch_size`` pending rows (``status = 0``) of the usable shards,
+per shard in id order (LATERAL over the partial index ``(shard, id) WHERE status = 0``,
+shards rotated between batches so none starves); send them all, then await all delivery
+confirmations; then mark the confirmed ones ``status = 1`` in ONE ``UPDATE ... WHERE id =
+ANY(...)`` that also checks, in SQL, that this relay still holds each shard under the fence
+it claimed it with. No cursor, no "last id seen": an event whose transaction commits late
+(C01) is simply pending and the next claim finds it. In :meth:`Relay.run` a clean batch's
+mark runs in the background (own connection) while the next batch is claimed, excluding the
+rows being marked by id, and sent; at most one mark is in flight (measured to help).
+
+Why not a snapshot (xid) cursor: status marking is simpler, has no "cursor ahead of the
+database" failure mode after a restore from a dump, and its per-row write is batched into
+one UPDATE per batch. Its cost: one row update per event (and the cleanup of those rows).
+
+Failures: Kafka errors are classified by class (``relay._policy``). Transient ones leave the
+rows pending (resent with the same key and event id) and back off exponentially with jitter
+(the producer is recreated after repeated failures); permanent ones park the row as dead
+(``status = 2``, ``last_error``). With ``on_dead="hold"`` later events of that partition key
+wait (the claim skips them) until an operator replays or discards the dead one; with
+``"skip"`` they are published. A failed mark after a successful send is retried with
+backoff; if the process dies meanwhile the rows are sent again (duplicates carry the same
+event id, consumers drop them, G4). Database errors back off and reconnect; the daemon never
+exits on them.
+
+Known limits: a record already handed to the producer when its lease is lost can still land
+after the new owner's copy (bounded by ``request_timeout_ms``); if a send of an earlier event
+of a key times out while a later event of the key (in a later producer batch) is confirmed,
+the earlier one is sent again after it. Consumers keep per-aggregate order with the version
+check (G5). A broker-side permanent reject cannot recall a later event of the same key that
+was already in flight in the same batch; "hold" applies to everything not yet sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+
+from outbox import kafka_headers, timestamp_ms
+from outbox._backoff import Backoff
+from relay import _metrics as m
+from relay._config import RelayConfig
+from relay._errors import StoreError
+from relay._policy import (
+    LEADER_SHARD,
+    ErrorKind,
+    LeaseBook,
+    classify_publish_error,
+    fair_share,
+    held_after_reject,
+)
+from relay._publisher import KafkaPublisher, OutboundRecord, Publisher
+from relay._store import ClaimedEvent, RelayStore
+
+__all__ = ["TEST_MARK_DELAY_ENV", "Relay", "to_record"]
+
+log = logging.getLogger("relay")
+
+#: TEST-ONLY hook: sleep this many milliseconds between "Kafka confirmed the batch" and
+#: "mark it published" (fault case C02 kills the process in that window). Never set it in
+#: production.
+TEST_MARK_DELAY_ENV = "LEDGERBOX_RELAY_TEST_MARK_DELAY_MS"
+
+_RECREATE_PRODUCER_AFTER = 3
+_STATS_INTERVAL_S = 5.0
+
+
+def to_record(event: ClaimedEvent) -> OutboundRecord:
+    """The Kafka record of a claimed row: key, payload JSON as stored, event time, headers."""
+    return OutboundRecord(
+        topic=event.topic,
+        key=event.partition_key.encode("utf-8"),
+        value=event.payload.encode("utf-8"),
+        timestamp_ms=timestamp_ms(event.occurred_at),
+        headers=kafka_headers(
+            event_id=event.event_id,
+            event_type=event.event_type,
+            source=event.source,
+            occurred_at=event.occurred_at,
+            idempotency_key=event.idempotency_key,
+            aggregate_type=event.aggregate_type,
+            aggregate_id=event.aggregate_id,
+            aggregate_version=event.aggregate_version,
+            extra=event.headers,
+        ),
+    )
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class Relay:
+    """Publishes committed outbox events to Kafka (at least once, per-key commit order).
+
+    Parameters
+    ----------
+    config : RelayConfig
+    publisher : Publisher | None
+        The broker client; default :class:`relay._publisher.KafkaPublisher` built from
+        ``config``. Tests pass :class:`relay.testing.InMemoryPublisher`.
+    store : RelayStore | None
+        The storage seam of the hot path (claim, mark); tests pass one with injected faults.
+    clock : Callable[[], float]
+        Monotonic clock in seconds (lease deadlines).
+
+    Examples
+    --------
+    >>> relay = Relay(RelayConfig(database_url=url, kafka_bootstrap_servers="127.0.0.1:9092"))
+    >>> await relay.run()          # doctest: +SKIP  (until relay.stop())
+    """
+
+    def __init__(
+        self,
+        config: RelayConfig,
+        *,
+        publisher: Publisher | None = None,
+        store: RelayStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.relay_id = config.member_id
+        self._publisher: Publisher = publisher or KafkaPublisher(
+            config.kafka_bootstrap_servers,
+            compression=config.compression,
+            linger_ms=config.linger_ms,
+            max_batch_bytes=config.producer_batch_bytes,
+            request_timeout_ms=config.request_timeout_ms,
+        )
+        self._store = store or RelayStore(config, "main")
+        # Marks run on their own connection so that they overlap the next claim (pipelining).
+        self._mark_store = store or RelayStore(config, "mark")
+        self._lease_store = RelayStore(config, "lease")
+        self._maint_store = RelayStore(config, "maint")
+        self._listen_store = RelayStore(config, "listen")
+        self._clock = clock
+        margin_s = min(
+            config.lease_ttl_s / 2, max(config.heartbeat_interval_s, config.lease_ttl_s * 0.2)
+        )
+        self._book = LeaseBook(config.lease_ttl_s, margin_s)
+        self._backoff = Backoff(base_s=0.1, max_s=config.backoff_max_s)
+        self._stopping = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._inflight: set[int] = set()
+        self._marking: asyncio.Task[int] | None = None
+        self._marking_ids: list[int] = []
+        self._marking_shards: set[int] = set()
+        self._leases_ready = False
+        self._producer_ready = False
+        self._publish_failures = 0
+        self._rotation = 0
+        self._last_cleanup = -float("inf")
+        self._mark_delay_s = int(os.environ.get(TEST_MARK_DELAY_ENV, "0") or 0) / 1000
+
+    # -- public API ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run until :meth:`stop` is called; then release the batch in flight, flush the
+        producer, release the leases and the member row. Never raises on database or Kafka
+        errors (it backs off and retries)."""
+        tasks = [
+            asyncio.create_task(self._heartbeat_loop(), name="relay-heartbeat"),
+            asyncio.create_task(self._listen_loop(), name="relay-listen"),
+            asyncio.create_task(self._maintenance_loop(), name="relay-maintenance"),
+        ]
+        try:
+            await self._main_loop()
+        except asyncio.CancelledError:
+            # Cancelled (not stopped): abandon a mark still retrying; its rows stay pending
+            # and are sent again later with the same event ids.
+            if self._marking is not None:
+                self._marking.cancel()
+            raise
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await self.close()
+
+    async def run_once(self) -> int:
+        """One cycle: heartbeat (membership and leases), then one claim/publish/mark.
+
+        Returns
+        -------
+        int
+            Number of events confirmed by Kafka and marked published in this cycle.
+
+        Raises
+        ------
+        StoreError
+            A database call failed (``run`` retries instead).
+        """
+        await self._heartbeat_once()
+        if not await self._ensure_producer():
+            return 0
+        _, published = await self._publish_batch()
+        return published
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to finish (safe to call from a signal handler in the loop)."""
+        self._stopping.set()
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Release leases and the member row, flush and stop the producer, disconnect."""
+        self._stopping.set()  # a mark still retrying gives up after its third attempt
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._finish_marking()
+        held = self._book.held()
+        self._book.expire_all()
+        m.OWNED_SHARDS.set(0)
+        with contextlib.suppress(StoreError):
+            await self._lease_store.release_shards(held)
+        with contextlib.suppress(StoreError):
+            await self._lease_store.leave()
+        if self._producer_ready:
+            self._producer_ready = False
+            await self._publisher.stop()
+        stores = (self._store, self._mark_store, self._lease_store, self._maint_store)
+        for store in (*stores, self._listen_store):
+            await store.close()
+
+    async def __aenter__(self) -> Relay:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def owned_shards(self) -> list[int]:
+        """Data shards this relay may publish now (for tests and status)."""
+        return self._book.usable(self._clock())
+
+    def is_leader(self) -> bool:
+        """True while this relay holds the maintenance-leader lease."""
+        return self._book.is_leader(self._clock())
+
+    async def cleanup_once(self) -> int:
+        """Delete published rows older than ``retention_s`` in bounded batches (leader only;
+        returns 0 when this relay is not the leader). Returns the number deleted."""
+        if not self.is_leader():
+            return 0
+        total = 0
+        while not self._stopping.is_set() and self.is_leader():
+            n = await self._maint_store.cleanup_published(
+                self.config.retention_s, self.config.cleanup_batch_size
+            )
+            total += n
+            if n < self.config.cleanup_batch_size:
+                break
+            await self._sleep(self.config.cleanup_pause_s)
+        await self._maint_store.cleanup_members()
+        return total
+
+    # -- leases ----------------------------------------------------------------------------
+
+    async def _heartbeat_once(self) -> None:
+        cfg = self.config
+        ttl = cfg.lease_ttl_s
+        if not self._leases_ready:
+            await self._lease_store.ensure_leases(cfg.shard_count)
+            self._leases_ready = True
+        live = await self._lease_store.heartbeat(ttl)
+        sent_at = self._clock()
+        renewed = await self._lease_store.renew_shards(self._book.held(), ttl)
+        lost = self._book.renewed(renewed, sent_at)
+        if lost:
+            log.warning("lost shard leases %s", lost, extra={"shards": lost})
+        want, drain = self._book.plan(fair_share(cfg.shard_count, live))
+        if drain:
+            log.info("draining shards %s (fair share, %d live relays)", drain, live)
+        if want:
+            sent_at = self._clock()
+            grants = await self._lease_store.acquire_shards(want, ttl, lo=0, hi=cfg.shard_count - 1)
+            new = self._book.granted(grants, sent_at)
+            if new:
+                log.info("acquired shards %s", new, extra={"shards": new})
+                self._wake.set()
+        if not self._book.is_leader(self._clock()):
+            sent_at = self._clock()
+            grants = await self._lease_store.acquire_shards(
+                1, ttl, lo=LEADER_SHARD, hi=LEADER_SHARD
+            )
+            if grants:
+                self._book.granted(grants, sent_at)
+                log.info("became maintenance leader")
+        await self._release_drained()
+        m.OWNED_SHARDS.set(len(self._book.data_shards()))
+
+    async def _release_drained(self) -> None:
+        busy = self._inflight | self._marking_shards
+        free = [s for s in self._book.draining() if s not in busy]
+        if not free:
+            return
+        held = [(s, self._book.fence(s)) for s in free]
+        self._book.drop(free)
+        await self._lease_store.release_shards(held)
+
+    # -- the hot path --------------------------------------------------------------------------
+
+    async def _ensure_producer(self) -> bool:
+        if self._producer_ready:
+            return True
+        try:
+            await self._publisher.start()
+        except Exception as exc:
+            self._publish_failures += 1
+            m.RETRIES.labels(stage="producer").inc()
+            log.warning(
+                "Kafka producer cannot start: %s",
+                _reason(exc),
+                extra={"attempt": self._publish_failures},
+            )
+            return False
+        self._producer_ready = True
+        return True
+
+    async def _publish_batch(self, *, pipelined: bool = False) -> tuple[int, int]:
+        """Claim, publish, mark one batch; returns ``(claimed, marked published)``.
+
+        ``pipelined``: a clean batch's mark runs in the background while the next batch is
+        claimed (its rows excluded from that claim) and sent; at most one mark in flight.
+        The returned count then includes rows whose mark is still running.
+        """
+        cfg = self.config
+        shards = self._book.usable(self._clock())
+        if not shards:
+            return 0, 0
+        start = self._rotation % len(shards)
+        self._rotation += 1
+        shards = shards[start:] + shards[:start]
+        fences = {s: self._book.fence(s) for s in shards}
+        started = time.perf_counter()
+        events = await self._store.claim_batch(
+            shards, cfg.batch_size, hold=cfg.on_dead == "hold", exclude=self._marking_ids
+        )
+        if not events:
+            await self._finish_marking()
+            return 0, 0
+        # The claim may have been slow: publish only shards still held under the same fence.
+        usable = {s for s in self._book.usable(self._clock()) if self._book.fence(s) == fences[s]}
+        events = [e for e in events if e.shard in usable]
+        self._inflight = {e.shard for e in events}
+        try:
+            confirmed, dead, failure = await self._publish(events)
+            for event, reason in dead:
+                await self._mark_dead(event, fences[event.shard], reason)
+            await self._finish_marking()
+            published = 0
+            if confirmed:
+                if self._mark_delay_s:
+                    await asyncio.sleep(self._mark_delay_s)
+                if pipelined and failure is None and not dead:
+                    self._marking_ids = [e.id for e in confirmed]
+                    self._marking_shards = {e.shard for e in confirmed}
+                    self._marking = asyncio.create_task(self._mark_published(confirmed, fences))
+                    published = len(confirmed)
+                else:
+                    published = await self._mark_published(confirmed, fences)
+        finally:
+            self._inflight = set()
+        m.PUBLISH_BATCH_DURATION.observe(time.perf_counter() - started)
+        if failure is not None:
+            await self._after_publish_failure(failure, events)
+        else:
+            self._publish_failures = 0
+        await self._release_drained()
+        return len(events), published
+
+    async def _finish_marking(self) -> None:
+        """Wait for the background mark of the previous batch (pipelining)."""
+        task, self._marking = self._marking, None
+        try:
+            if task is not None:
+                await task
+        finally:
+            self._marking_ids = []
+            self._marking_shards = set()
+
+    async def _publish(
+        self, events: list[ClaimedEvent]
+    ) -> tuple[list[ClaimedEvent], list[tuple[ClaimedEvent, str]], BaseException | None]:
+        """Send all, then await all. Returns (confirmed, dead with reason, transient error)."""
+        on_dead = self.config.on_dead
+        rejected: set[str] = set()
+        dead: list[tuple[ClaimedEvent, str]] = []
+        sendable: list[tuple[ClaimedEvent, OutboundRecord]] = []
+        failure: BaseException | None = None
+        for event in events:
+            if held_after_reject(on_dead, event.partition_key, rejected):
+                continue
+            record = to_record(event)
+            refused = self._publisher.precheck(record)
+            if refused is not None:
+                # Refused before sending: later events of the key are not sent either (hold).
+                dead.append((event, _reason(refused)))
+                rejected.add(event.partition_key)
+                continue
+            sendable.append((event, record))
+        try:
+            futures = await self._publisher.send_many([r for _, r in sendable])
+        except Exception as exc:
+            return [], dead, exc
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        confirmed: list[ClaimedEvent] = []
+        suspects: list[ClaimedEvent] = []
+        for (event, _), result in zip(sendable, results, strict=True):
+            if not isinstance(result, BaseException):
+                confirmed.append(event)
+            elif classify_publish_error(result) is ErrorKind.PERMANENT:
+                suspects.append(event)
+            else:
+                failure = failure or result
+        if suspects:
+            # The broker rejects a whole record batch for one bad record: send each suspect
+            # alone, so only the record that fails on its own is parked.
+            ok, bad, err = await self._isolate(suspects, rejected)
+            confirmed.extend(ok)
+            dead.extend(bad)
+            failure = failure or err
+        return confirmed, dead, failure
+
+    async def _isolate(
+        self, suspects: list[ClaimedEvent], rejected: set[str]
+    ) -> tuple[list[ClaimedEvent], list[tuple[ClaimedEvent, str]], BaseException | None]:
+        ok: list[ClaimedEvent] = []
+        bad: list[tuple[ClaimedEvent, str]] = []
+        for event in suspects:
+            if held_after_reject(self.config.on_dead, event.partition_key, rejected):
+                continue
+            try:
+                (future,) = await self._publisher.send_many([to_record(event)])
+                await future
+            except Exception as exc:
+                if classify_publish_error(exc) is not ErrorKind.PERMANENT:
+                    return ok, bad, exc
+                bad.append((event, _reason(exc)))
+                rejected.add(event.partition_key)
+                continue
+            ok.append(event)
+        return ok, bad, None
+
+    async def _after_publish_failure(self, exc: BaseException, events: list[ClaimedEvent]) -> None:
+        self._publish_failures += 1
+        attempt = self._publish_failures
+        m.RETRIES.labels(stage="publish").inc()
+        first = events[0] if events else None
+        log.warning(
+            "publish failed (transient), rows stay pending: %s",
+            _reason(exc),
+            extra={
+                "attempt": attempt,
+                "event_id": str(first.event_id) if first else None,
+                "partition_key": first.partition_key if first else None,
+            },
+        )
+        if attempt % _RECREATE_PRODUCER_AFTER == 0 and self._producer_ready:
+            self._producer_ready = False
+            await self._publisher.stop()
+        await self._sleep(self._backoff.delay_s(attempt))
+
+    async def _mark_published(self, confirmed: list[ClaimedEvent], fences: dict[int, int]) -> int:
+        ids = [e.id for e in confirmed]
+        shard_fences = sorted({(e.shard, fences[e.shard]) for e in confirmed})
+        n = await self._retry_store(
+            "mark", lambda: self._mark_store.mark_published(ids, shard_fences), confirmed[0]
+        )
+        if n is None:
+            return 0
+        if n < len(ids):
+            log.warning(
+                "%d of %d published events not marked: lease lost, they will be sent again",
+                len(ids) - n,
+                len(ids),
+            )
+        m.PUBLISHED.inc(n)
+        return n
+
+    async def _mark_dead(self, event: ClaimedEvent, fence: int, reason: str) -> None:
+        n = await self._retry_store(
+            "mark_dead", lambda: self._store.mark_dead(event.id, fence, reason), event
+        )
+        if n:
+            m.DEAD_EVENTS.inc()
+            log.error(
+                "event parked dead: %s",
+                reason,
+                extra={"event_id": str(event.event_id), "partition_key": event.partition_key},
+            )
+
+    async def _retry_store(
+        self, stage: str, call: Callable[[], Awaitable[int]], event: ClaimedEvent
+    ) -> int | None:
+        """Retry a write after a successful send until it lands (C04). Gives up only when
+        stopping (the rows are then simply sent again later)."""
+        attempt = 0
+        while True:
+            try:
+                return await call()
+            except StoreError as exc:
+                attempt += 1
+                m.RETRIES.labels(stage=stage).inc()
+                log.warning(
+                    "%s failed, retrying: %s",
+                    stage,
+                    exc,
+                    extra={
+                        "attempt": attempt,
+                        "event_id": str(event.event_id),
+                        "partition_key": event.partition_key,
+                    },
+                )
+                if self._stopping.is_set() and attempt >= 3:
+                    return None
+                await asyncio.sleep(self._backoff.delay_s(attempt))
+
+    # -- loops -----------------------------------------------------------------------------
+
+    async def _main_loop(self) -> None:
+        attempt = 0
+        while not self._stopping.is_set():
+            self._wake.clear()
+            try:
+                if not await self._ensure_producer():
+                    await self._sleep(self._backoff.delay_s(self._publish_failures))
+                    continue
+                claimed, _ = await self._publish_batch(pipelined=True)
+                attempt = 0
+            except StoreError as exc:
+                attempt += 1
+                m.RETRIES.labels(stage="db").inc()
+                log.warning("database error: %s", exc, extra={"attempt": attempt})
+                await self._sleep(self._backoff.delay_s(attempt))
+                continue
+            if claimed:
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.poll_interval_s)
+
+    async def _heartbeat_loop(self) -> None:
+        attempt = 0
+        while not self._stopping.is_set():
+            try:
+                await self._heartbeat_once()
+                attempt = 0
+            except StoreError as exc:
+                attempt += 1
+                m.RETRIES.labels(stage="heartbeat").inc()
+                log.warning("heartbeat failed: %s", exc, extra={"attempt": attempt})
+            await self._sleep(self.config.heartbeat_interval_s)
+
+    async def _listen_loop(self) -> None:
+        attempt = 0
+        while not self._stopping.is_set():
+            try:
+                # (Re)connected: a notification may have been missed meanwhile.
+                self._wake.set()
+                async for _ in self._listen_store.notifications():
+                    attempt = 0
+                    self._wake.set()
+            except StoreError as exc:
+                attempt += 1
+                m.RETRIES.labels(stage="listen").inc()
+                log.warning("LISTEN connection lost: %s", exc, extra={"attempt": attempt})
+                await self._listen_store.close()
+                await self._sleep(self._backoff.delay_s(attempt))
+
+    async def _maintenance_loop(self) -> None:
+        attempt = 0
+        while not self._stopping.is_set():
+            if self.is_leader():
+                try:
+                    stats = await self._maint_store.stats(self.config.shard_count)
+                    m.PENDING_EVENTS.set(stats.pending)
+                    m.OLDEST_PENDING_AGE.set(stats.oldest_pending_age_s or 0.0)
+                    now = self._clock()
+                    if now - self._last_cleanup >= self.config.cleanup_interval_s:
+                        self._last_cleanup = now
+                        deleted = await self.cleanup_once()
+                        if deleted:
+                            log.info("cleanup deleted %d published rows", deleted)
+                    attempt = 0
+                except StoreError as exc:
+                    attempt += 1
+                    m.RETRIES.labels(stage="maintenance").inc()
+                    log.warning("maintenance failed: %s", exc, extra={"attempt": attempt})
+            await self._sleep(_STATS_INTERVAL_S)
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake at once when stopping."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), max(0.0, seconds))

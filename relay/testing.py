@@ -1,0 +1,96 @@
+"""Test helpers for users of ``relay``: an in-memory :class:`relay.Publisher`.
+
+Example
+-------
+>>> publisher = InMemoryPublisher()
+>>> relay = Relay(config, publisher=publisher)               # doctest: +SKIP
+>>> await relay.run_once()                                    # doctest: +SKIP
+>>> [r.key for r in publisher.records]                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from relay._publisher import OutboundRecord
+
+__all__ = ["InMemoryPublisher"]
+
+
+class InMemoryPublisher:
+    """A :class:`relay.Publisher` that keeps confirmed records in a list.
+
+    Faults are injected per record: ``reject_on_send(pred, exc)`` refuses matching records
+    before sending (``precheck``, a client-side refusal such as "too large"),
+    ``fail_delivery(pred, exc)`` fails their delivery future (a broker-side failure),
+    ``fail_next_sends(n, exc)`` fails the next ``n`` deliveries of any record. Records whose
+    delivery failed are NOT in :attr:`records`.
+
+    Attributes
+    ----------
+    records : list[OutboundRecord]
+        Every record whose delivery was confirmed, in confirmation order (duplicates kept).
+    """
+
+    def __init__(self) -> None:
+        self.records: list[OutboundRecord] = []
+        self.started = False
+        self.start_count = 0
+        self._send_rejects: list[tuple[Callable[[OutboundRecord], bool], BaseException]] = []
+        self._delivery_faults: list[tuple[Callable[[OutboundRecord], bool], BaseException]] = []
+        self._fail_next: list[BaseException] = []
+
+    def reject_on_send(self, pred: Callable[[OutboundRecord], bool], exc: BaseException) -> None:
+        """Make ``send`` raise ``exc`` for every record matching ``pred``."""
+        self._send_rejects.append((pred, exc))
+
+    def fail_delivery(self, pred: Callable[[OutboundRecord], bool], exc: BaseException) -> None:
+        """Make the delivery of every record matching ``pred`` fail with ``exc``."""
+        self._delivery_faults.append((pred, exc))
+
+    def fail_next_sends(self, n: int, exc: BaseException) -> None:
+        """Fail the delivery of the next ``n`` records with ``exc``."""
+        self._fail_next.extend([exc] * n)
+
+    def clear_faults(self) -> None:
+        """Remove every injected fault."""
+        self._send_rejects.clear()
+        self._delivery_faults.clear()
+        self._fail_next.clear()
+
+    async def start(self) -> None:
+        self.started = True
+        self.start_count += 1
+
+    async def stop(self) -> None:
+        self.started = False
+
+    async def check(self) -> None:
+        return None
+
+    def precheck(self, record: OutboundRecord) -> BaseException | None:
+        for pred, exc in self._send_rejects:
+            if pred(record):
+                return exc
+        return None
+
+    async def send_many(self, records: Sequence[OutboundRecord]) -> list[Awaitable[Any]]:
+        loop = asyncio.get_running_loop()
+        futures: list[Awaitable[Any]] = []
+        for record in records:
+            fut: asyncio.Future[None] = loop.create_future()
+            failure = self.precheck(record)
+            if failure is None and self._fail_next:
+                failure = self._fail_next.pop(0)
+            for pred, exc in self._delivery_faults:
+                if failure is None and pred(record):
+                    failure = exc
+            if failure is not None:
+                fut.set_exception(failure)
+            else:
+                self.records.append(record)
+                fut.set_result(None)
+            futures.append(fut)
+        return futures

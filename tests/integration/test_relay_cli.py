@@ -1,0 +1,59 @@
+"""The relay CLI (``python -m relay``): check, status, and a SIGTERM'd run exiting 0."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from sqlalchemy import Engine, text
+
+from tests import _relay_support as rs
+
+
+def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "relay", *args],
+        cwd=rs.REPO_ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_check_exit_code_follows_health(database_url: str, kafka_bootstrap: str) -> None:
+    ok = _cli("check", DATABASE_URL=database_url, KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.strip() == "relay ok: database ok, kafka ok"
+    bad = _cli("check", "--kafka-bootstrap-servers", "127.0.0.1:1", DATABASE_URL=database_url)
+    assert bad.returncode == 1
+    assert "kafka FAIL" in bad.stdout and "database ok" in bad.stdout
+
+
+def test_status_and_run_until_sigterm(engine: Engine, database_url: str) -> None:
+    rs.reset_relay_tables(engine)
+    writer = rs.writer_for("cli-status")
+    rs.stage(engine, writer, [rs.event(writer, "s1", 1), rs.event(writer, "s2", 1)])
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET status = 2 WHERE partition_key = 's2'"))
+    out = _cli("status", DATABASE_URL=database_url)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"pending: {rs.pending_count(engine)}"
+    assert lines[2] == "dead: 1"
+    assert lines[3] == "shards: no lease rows yet (no relay has started)", lines
+
+    proc = rs.relay_process(database_url, "127.0.0.1:9092", "--relay-id", "cli-run")
+    try:
+        deadline = time.monotonic() + 30
+        while "cli-run shards: 0-63 (64)" not in _cli("status", DATABASE_URL=database_url).stdout:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        assert rs.stop_process(proc) == 0, "SIGTERM: clean exit"
+    after = _cli("status", DATABASE_URL=database_url).stdout
+    assert "(free) shards: 0-63 (64)" in after, "leases released at shutdown"
+    assert rs.pending_count(engine) == 0

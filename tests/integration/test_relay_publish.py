@@ -1,0 +1,121 @@
+"""The relay against real PostgreSQL and Kafka: record form, run_once, NOTIFY wake-up."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+
+from sqlalchemy import Engine, text
+
+from outbox import envelope_from_kafka, timestamp_ms
+from relay import Relay
+from relay.testing import InMemoryPublisher
+from tests import _relay_support as rs
+from tests._services import TopicFactory
+
+
+async def test_published_record_has_key_value_timestamp_headers(
+    engine: Engine, database_url: str, kafka_bootstrap: str, new_topic: TopicFactory
+) -> None:
+    rs.reset_relay_tables(engine)
+    topic = await new_topic.acreate("relay-rec", partitions=3)
+    writer = rs.writer_for(topic)
+    when = dt.datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=dt.UTC)
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    ev = writer.event(
+        event_type="OrderPlaced",
+        aggregate_type="order",
+        aggregate_id="order-17",
+        aggregate_version=3,
+        payload={"amount": "100.00", "items": [1, 2], "note": "naïve ✓"},
+        idempotency_key="order:17:req-1",
+        occurred_at=when,
+        headers={"traceparent": traceparent},
+    )
+    rs.stage(engine, writer, [ev])
+
+    relay = Relay(rs.config(database_url, kafka_bootstrap))
+    try:
+        assert await relay.run_once() == 1
+        assert await relay.run_once() == 0
+    finally:
+        await relay.close()
+    records = await rs.consume(kafka_bootstrap, topic, until=lambda r: len(r) >= 1)
+    assert len(records) == 1
+    record = records[0]
+    assert record.key == b"order-17"
+    assert json.loads(record.value) == {"amount": "100.00", "items": [1, 2], "note": "naïve ✓"}
+    assert record.timestamp == timestamp_ms(when)
+    assert rs.header(record, "traceparent") == traceparent
+    assert rs.header(record, "ce_id") == str(ev.event_id)
+    assert rs.header(record, "ce_idempotencykey") == "order:17:req-1"
+    assert rs.header(record, "ce_specversion") == "1.0"
+    assert rs.header(record, "content-type") == "application/json"
+    back = envelope_from_kafka(topic, record.key, record.value, list(record.headers))
+    assert back == ev
+    with engine.connect() as conn:
+        status, published_at = conn.execute(
+            text("SELECT status, published_at FROM outbox WHERE event_id = :e"), {"e": ev.event_id}
+        ).one()
+    assert status == 1 and published_at is not None
+
+
+async def test_run_once_publishes_one_batch_in_key_order(engine: Engine, database_url: str) -> None:
+    rs.reset_relay_tables(engine)
+    writer = rs.writer_for("relay-run-once")
+    events = [rs.event(writer, f"k{i % 3}", i) for i in range(7)]
+    rs.stage(engine, writer, events)
+    publisher = InMemoryPublisher()
+    relay = Relay(rs.config(database_url, "unused:9092", batch_size=5), publisher=publisher)
+    try:
+        assert await relay.run_once() == 5
+        assert await relay.run_once() == 2
+        assert await relay.run_once() == 0
+        assert relay.is_leader()
+        assert len(relay.owned_shards()) == 64
+    finally:
+        await relay.close()
+    seen: dict[bytes, list[int]] = {}
+    for record in publisher.records:
+        seen.setdefault(record.key, []).append(json.loads(record.value)["seq"])
+    assert seen == {b"k0": [0, 3, 6], b"k1": [1, 4], b"k2": [2, 5]}
+    with engine.connect() as conn:
+        owners = conn.execute(
+            text("SELECT count(*) FROM outbox_relay_lease WHERE owner IS NOT NULL")
+        )
+        assert owners.scalar_one() == 0, "close() releases every lease"
+
+
+async def test_notify_wakes_an_idle_relay(
+    engine: Engine, database_url: str, kafka_bootstrap: str, new_topic: TopicFactory
+) -> None:
+    rs.reset_relay_tables(engine)
+    topic = await new_topic.acreate("relay-notify", partitions=1)
+    writer = rs.writer_for(topic)
+    # Polling every 60 s: only NOTIFY can make the relay see the event within the deadline.
+    relay = Relay(rs.config(database_url, kafka_bootstrap, poll_interval_s=60.0))
+    task = asyncio.create_task(relay.run())
+    try:
+
+        async def idle_with_shards() -> bool:
+            return len(relay.owned_shards()) == 64
+
+        await _until(idle_with_shards, 20)
+        await asyncio.sleep(0.5)  # let the main loop go idle (waiting on its 60 s poll)
+        rs.stage(engine, writer, [rs.event(writer, "wake", 1)])
+        records = await rs.consume(kafka_bootstrap, topic, until=lambda r: len(r) >= 1, within_s=20)
+        assert records[0].key == b"wake"
+    finally:
+        relay.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 30)
+
+
+async def _until(check, within_s: float) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.05)
