@@ -1,0 +1,5 @@
+"""``python -m ledgerbox``."""
+
+from ledgerbox.cli import main
+
+main()
