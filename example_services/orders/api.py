@@ -121,6 +121,10 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
             aggregate_type="order",
             aggregate_id=order_id,
             aggregate_version=1,
+            # Partitioned by customer, not by order: the payment consumer debits the
+            # customer's wallet, so all orders of one customer reach it in one partition, in
+            # commit order, and never race each other on the wallet's version.
+            partition_key=body.customer_id,
             payload={
                 "order_id": str(order_id),
                 "customer_id": body.customer_id,
