@@ -32,7 +32,10 @@ ANY(...)`` that also checks, in SQL, that this relay still holds each shard unde
 it claimed it with. No cursor, no "last id seen": an event whose transaction commits late
 (C01) is simply pending and the next claim finds it. In :meth:`Relay.run` a clean batch's
 mark runs in the background (own connection) while the next batch is claimed, excluding the
-rows being marked by id, and sent; at most one mark is in flight (measured to help).
+rows being marked by id, and sent; at most one mark is in flight (measured to help). The
+next batch is also claimed while the current one awaits its confirmations (prefetch), and
+handed to the producer only once the current one is confirmed in full; a batch with a
+failure drops the prefetched claim.
 
 Why not a snapshot (xid) cursor: status marking is simpler, has no "cursor ahead of the
 database" failure mode after a restore from a dump, and its per-row write is batched into
@@ -60,13 +63,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
 
-from outbox import kafka_headers, timestamp_ms
 from outbox._backoff import Backoff
+from outbox._wire import _KNOWN as KNOWN_HEADERS
+from outbox._wire import CONTENT_TYPE
 from relay import _metrics as m
 from relay._config import RelayConfig
 from relay._errors import StoreError
@@ -94,24 +99,38 @@ _RECREATE_PRODUCER_AFTER = 3
 _STATS_INTERVAL_S = 5.0
 
 
+_SPEC = ("ce_specversion", b"1.0")
+_CONTENT_TYPE = ("content-type", CONTENT_TYPE.encode())
+
+
 def to_record(event: ClaimedEvent) -> OutboundRecord:
-    """The Kafka record of a claimed row: key, payload JSON as stored, event time, headers."""
+    """The Kafka record of a claimed row: key, payload JSON as stored, event time, headers.
+
+    The headers are those of :func:`outbox.kafka_headers` (same names, order and bytes),
+    built from the text columns the claim pre-formats: only what varies per row is encoded.
+    """
+    headers = [
+        _SPEC,
+        ("ce_id", event.event_id.encode()),
+        ("ce_type", event.event_type.encode()),
+        ("ce_source", event.source.encode()),
+        ("ce_time", event.occurred_at_iso.encode()),
+        _CONTENT_TYPE,
+        ("ce_idempotencykey", event.idempotency_key.encode()),
+        ("ce_aggregatetype", event.aggregate_type.encode()),
+        ("ce_aggregateid", event.aggregate_id.encode()),
+    ]
+    if event.aggregate_version is not None:
+        headers.append(("ce_aggregateversion", event.aggregate_version.encode()))
+    if event.headers != "{}":
+        extra: dict[str, str] = json.loads(event.headers)
+        headers.extend((k, v.encode()) for k, v in extra.items() if k not in KNOWN_HEADERS)
     return OutboundRecord(
         topic=event.topic,
-        key=event.partition_key.encode("utf-8"),
-        value=event.payload.encode("utf-8"),
-        timestamp_ms=timestamp_ms(event.occurred_at),
-        headers=kafka_headers(
-            event_id=event.event_id,
-            event_type=event.event_type,
-            source=event.source,
-            occurred_at=event.occurred_at,
-            idempotency_key=event.idempotency_key,
-            aggregate_type=event.aggregate_type,
-            aggregate_id=event.aggregate_id,
-            aggregate_version=event.aggregate_version,
-            extra=event.headers,
-        ),
+        key=event.partition_key.encode(),
+        value=event.payload.encode(),
+        timestamp_ms=event.occurred_at_ms,
+        headers=headers,
     )
 
 
@@ -173,6 +192,7 @@ class Relay:
         self._wake = asyncio.Event()
         self._inflight: set[int] = set()
         self._marking: asyncio.Task[int] | None = None
+        self._prefetch: asyncio.Task[tuple[list[ClaimedEvent], dict[int, int]]] | None = None
         self._marking_ids: list[int] = []
         self._marking_shards: set[int] = set()
         self._leases_ready = False
@@ -200,6 +220,8 @@ class Relay:
             # and are sent again later with the same event ids.
             if self._marking is not None:
                 self._marking.cancel()
+            if self._prefetch is not None:
+                self._prefetch.cancel()
             raise
         finally:
             for task in tasks:
@@ -236,6 +258,8 @@ class Relay:
     async def close(self) -> None:
         """Release leases and the member row, flush and stop the producer, disconnect."""
         self._stopping.set()  # a mark still retrying gives up after its third attempt
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._drop_prefetch()
         with contextlib.suppress(asyncio.CancelledError):
             await self._finish_marking()
         held = self._book.held()
@@ -346,34 +370,68 @@ class Relay:
         self._producer_ready = True
         return True
 
-    async def _publish_batch(self, *, pipelined: bool = False) -> tuple[int, int]:
-        """Claim, publish, mark one batch; returns ``(claimed, marked published)``.
-
-        ``pipelined``: a clean batch's mark runs in the background while the next batch is
-        claimed (its rows excluded from that claim) and sent; at most one mark in flight.
-        The returned count then includes rows whose mark is still running.
-        """
-        cfg = self.config
+    async def _claim(self, exclude: list[int]) -> tuple[list[ClaimedEvent], dict[int, int]]:
+        """Claim the next batch of the usable shards; returns it with the fences it was
+        claimed under."""
         shards = self._book.usable(self._clock())
         if not shards:
-            return 0, 0
+            return [], {}
         start = self._rotation % len(shards)
         self._rotation += 1
         shards = shards[start:] + shards[:start]
         fences = {s: self._book.fence(s) for s in shards}
-        started = time.perf_counter()
         events = await self._store.claim_batch(
-            shards, cfg.batch_size, hold=cfg.on_dead == "hold", exclude=self._marking_ids
+            shards, self.config.batch_size, hold=self.config.on_dead == "hold", exclude=exclude
         )
+        return events, fences
+
+    def _start_prefetch(self, sent: list[ClaimedEvent]) -> None:
+        """Claim the next batch while the current one awaits Kafka (pipelining). It excludes
+        the rows in flight (``sent``) and those being marked; it is only used if the current
+        batch is confirmed in full, and its records are handed to the producer only after
+        that, so batches reach the producer one after the other, in order."""
+        exclude = [e.id for e in sent] + self._marking_ids
+        self._prefetch = asyncio.create_task(self._claim(exclude), name="relay-prefetch")
+
+    async def _drop_prefetch(self) -> None:
+        task, self._prefetch = self._prefetch, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StoreError):
+                await task
+
+    async def _publish_batch(self, *, pipelined: bool = False) -> tuple[int, int]:
+        """Claim, publish, mark one batch; returns ``(claimed, marked published)``.
+
+        ``pipelined``: while a batch awaits its delivery confirmations the next one is
+        claimed; a clean batch's mark runs in the background while the next batch is sent
+        (its rows excluded from the claims); at most one mark in flight. The returned count
+        then includes rows whose mark is still running.
+        """
+        started = time.perf_counter()
+        task, self._prefetch = self._prefetch, None
+        events: list[ClaimedEvent] = []
+        fences: dict[int, int] = {}
+        if task is not None:
+            events, fences = await task
+        if not events:
+            # Nothing prefetched (or it found nothing, maybe before a NOTIFY): claim afresh.
+            events, fences = await self._claim(self._marking_ids)
         if not events:
             await self._finish_marking()
             return 0, 0
         # The claim may have been slow: publish only shards still held under the same fence.
-        usable = {s for s in self._book.usable(self._clock()) if self._book.fence(s) == fences[s]}
+        usable = {
+            s for s in self._book.usable(self._clock()) if self._book.fence(s) == fences.get(s)
+        }
         events = [e for e in events if e.shard in usable]
         self._inflight = {e.shard for e in events}
         try:
-            confirmed, dead, failure = await self._publish(events)
+            after_send = (lambda: self._start_prefetch(events)) if pipelined else None
+            confirmed, dead, failure = await self._publish(events, after_send)
+            if failure is not None or dead:
+                # The prefetched claim may hold later rows of a key whose row failed or died.
+                await self._drop_prefetch()
             for event, reason in dead:
                 await self._mark_dead(event, fences[event.shard], reason)
             await self._finish_marking()
@@ -388,6 +446,9 @@ class Relay:
                     published = len(confirmed)
                 else:
                     published = await self._mark_published(confirmed, fences)
+        except BaseException:
+            await self._drop_prefetch()
+            raise
         finally:
             self._inflight = set()
         m.PUBLISH_BATCH_DURATION.observe(time.perf_counter() - started)
@@ -409,9 +470,10 @@ class Relay:
             self._marking_shards = set()
 
     async def _publish(
-        self, events: list[ClaimedEvent]
+        self, events: list[ClaimedEvent], after_send: Callable[[], None] | None = None
     ) -> tuple[list[ClaimedEvent], list[tuple[ClaimedEvent, str]], BaseException | None]:
-        """Send all, then await all. Returns (confirmed, dead with reason, transient error)."""
+        """Send all, call ``after_send`` (records handed over), then await all.
+        Returns (confirmed, dead with reason, transient error)."""
         on_dead = self.config.on_dead
         rejected: set[str] = set()
         dead: list[tuple[ClaimedEvent, str]] = []
@@ -432,6 +494,8 @@ class Relay:
             futures = await self._publisher.send_many([r for _, r in sendable])
         except Exception as exc:
             return [], dead, exc
+        if after_send is not None:
+            after_send()
         results = await asyncio.gather(*futures, return_exceptions=True)
         confirmed: list[ClaimedEvent] = []
         suspects: list[ClaimedEvent] = []

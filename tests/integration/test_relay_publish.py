@@ -9,8 +9,10 @@ import json
 
 from sqlalchemy import Engine, text
 
-from outbox import envelope_from_kafka, timestamp_ms
+from outbox import envelope_from_kafka, kafka_headers, timestamp_ms
 from relay import Relay
+from relay._relay import to_record
+from relay._store import RelayStore
 from relay.testing import InMemoryPublisher
 from tests import _relay_support as rs
 from tests._services import TopicFactory
@@ -119,3 +121,59 @@ async def _until(check, within_s: float) -> None:  # type: ignore[no-untyped-def
         if asyncio.get_running_loop().time() > deadline:
             raise TimeoutError("condition not met")
         await asyncio.sleep(0.05)
+
+
+async def test_claimed_record_is_byte_identical_to_kafka_headers(
+    engine: Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """The claim pre-formats fields in SQL; the record must equal the Python wire form."""
+    rs.reset_relay_tables(engine)
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM outbox"))
+    writer = rs.writer_for("relay-form")
+    cet = dt.timezone(dt.timedelta(hours=1))
+    times = [
+        dt.datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=dt.UTC),
+        dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC),  # no fraction in isoformat
+        dt.datetime(2026, 6, 30, 23, 59, 59, 999999, tzinfo=cet),  # not UTC on the way in
+        dt.datetime(1969, 12, 31, 23, 59, 59, 500001, tzinfo=dt.UTC),  # before the epoch
+        dt.datetime(2024, 2, 29, 12, 0, 0, 697000, tzinfo=dt.UTC),  # float edge of * 1000
+    ]
+    events = [
+        writer.event(
+            event_type="OrderPlaced",
+            aggregate_type="order",
+            aggregate_id=f"order-{i}",
+            aggregate_version=None if i % 2 else i,
+            payload={"i": i, "note": "naïve ✓"},
+            idempotency_key=f"form:{i}",
+            occurred_at=when,
+            headers={} if i % 2 else {"traceparent": f"00-{i:032x}-{i:016x}-01", "ce_id": "x"},
+        )
+        for i, when in enumerate(times)
+    ]
+    rs.stage(engine, writer, events)
+    config = rs.config(database_url, kafka_bootstrap)
+    store = RelayStore(config)
+    try:
+        claimed = await store.claim_batch(list(range(config.shard_count)), 100, hold=True)
+    finally:
+        await store.close()
+    by_id = {c.event_id: c for c in claimed}
+    assert len(by_id) == len(events)
+    for ev in events:
+        record = to_record(by_id[str(ev.event_id)])
+        assert record.key == ev.partition_key.encode()
+        assert json.loads(record.value) == ev.payload
+        assert record.timestamp_ms == timestamp_ms(ev.occurred_at)
+        assert record.headers == kafka_headers(
+            event_id=ev.event_id,
+            event_type=ev.event_type,
+            source=ev.source,
+            occurred_at=ev.occurred_at.astimezone(dt.UTC),
+            idempotency_key=ev.idempotency_key,
+            aggregate_type=ev.aggregate_type,
+            aggregate_id=ev.aggregate_id,
+            aggregate_version=ev.aggregate_version,
+            extra=ev.headers,
+        )
