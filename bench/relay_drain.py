@@ -3,12 +3,15 @@ relay (``python -m relay run`` in a subprocess) vs a raw aiokafka producer sendi
 records from memory with the same producer settings, in the same run.
 
 Figures: ``relay_events_per_s`` (from the first row marked to the last: startup excluded),
-``raw_events_per_s``, ``relay_vs_raw_ratio`` (target >= 0.8), ``relay_peak_rss_mb`` (VmHWM of
-the relay process; target <= 100), and the hot-key case (10 keys only): ``hot_keys_events_per_s``
-and ``hot_keys_ratio`` = hot / normal (target >= 0.5).
+``raw_producer_events_per_s``, ``relay_vs_raw_ratio`` (target >= 0.8),
+``relay_peak_rss_mb`` (VmHWM of the relay process; target <= 100), and the hot-key case
+(10 keys only): ``hot_keys_events_per_s`` and ``hot_keys_ratio`` = hot / normal (target >= 0.5).
 
 Run: ``python -m bench relay_drain`` or ``python bench/relay_drain.py`` (services up).
-Environment: ``BENCH_RELAY_EVENTS`` (default 200000).
+Also ``relay_scaling_2_vs_1``: two relay processes over one on the same backlog (on 2 cores
+it need not exceed 1). Warm-up first, then ``BENCH_RELAY_ROUNDS`` (default 3) rounds, every
+case once per round, medians reported with every round's figures.
+Environment: ``BENCH_RELAY_EVENTS`` (default 200000), ``BENCH_RELAY_ROUNDS`` (default 3).
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import fresh_database, kafka_bootstrap, write_result
+from bench._common import fresh_database, kafka_bootstrap, median, write_result
 from outbox import kafka_headers, timestamp_ms
 
 EVENTS = int(os.environ.get("BENCH_RELAY_EVENTS", "200000"))
+ROUNDS = int(os.environ.get("BENCH_RELAY_ROUNDS", "3"))
 REPO = Path(__file__).resolve().parent.parent
 PRODUCER = {
     "acks": "all",
@@ -48,10 +52,10 @@ PRODUCER = {
 }
 
 
-def _rows(topic: str, keys: int) -> list[tuple[Any, ...]]:
+def _rows(topic: str, keys: int, events: int) -> list[tuple[Any, ...]]:
     now = dt.datetime.now(dt.UTC)
     rows = []
-    for i in range(EVENTS):
+    for i in range(events):
         key = f"customer-{i % keys:04d}"
         payload = {
             "order_id": str(uuid.uuid4()),
@@ -97,15 +101,18 @@ def _pending(conn: psycopg.Connection[Any]) -> int:
     return int(conn.execute("SELECT count(*) FROM outbox WHERE status = 0").fetchone()[0])  # type: ignore[index]
 
 
-def _relay_drain(url: str, bootstrap: str) -> tuple[float, float]:
-    """Run the relay CLI until the outbox is empty; returns (events/s, peak RSS MB)."""
+def _relay_drain(url: str, bootstrap: str, processes: int = 1) -> tuple[float, float]:
+    """Run ``processes`` relay CLIs until the outbox is empty; (events/s, peak RSS MB)."""
     env = {
         **os.environ,
         "DATABASE_URL": url,
         "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
         "LEDGERBOX_RELAY_LOG_LEVEL": "WARNING",
     }
-    proc = subprocess.Popen([sys.executable, "-m", "relay", "run"], cwd=REPO, env=env)
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "relay", "run"], cwd=REPO, env=env)
+        for _ in range(processes)
+    ]
     try:
         with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
             start_pending = _pending(conn)
@@ -115,13 +122,16 @@ def _relay_drain(url: str, bootstrap: str) -> tuple[float, float]:
             while (pending := _pending(conn)) > 0:
                 time.sleep(0.05)
             elapsed = time.perf_counter() - t0
-        status = Path(f"/proc/{proc.pid}/status").read_text()
-        hwm_kb = int(
-            next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]
-        )
+        hwm_kb = 0
+        for proc in procs:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            line = next(x for x in status.splitlines() if x.startswith("VmHWM"))
+            hwm_kb = max(hwm_kb, int(line.split()[1]))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(60)
     return first / elapsed, hwm_kb / 1024
 
 
@@ -169,34 +179,51 @@ async def _topics(bootstrap: str, names: list[str], create: bool) -> None:
         await admin.close()
 
 
-def _case(keys: int, bootstrap: str) -> dict[str, float]:
+def _case(
+    keys: int, bootstrap: str, relays: int = 1, raw: bool = True, events: int = EVENTS
+) -> dict[str, float]:
     topic, raw_topic = f"bench-relay-{uuid.uuid4().hex[:8]}", f"bench-raw-{uuid.uuid4().hex[:8]}"
     asyncio.run(_topics(bootstrap, [topic, raw_topic], create=True))
     try:
-        rows = _rows(topic, keys)
+        rows = _rows(topic, keys, events)
         with fresh_database("bench_relay") as url:
             _load(url, rows)
-            relay_rate, rss_mb = _relay_drain(url, bootstrap)
-        raw_rate = asyncio.run(_raw(bootstrap, raw_topic, rows))
+            relay_rate, rss_mb = _relay_drain(url, bootstrap, relays)
+        raw_rate = asyncio.run(_raw(bootstrap, raw_topic, rows)) if raw else float("nan")
     finally:
         asyncio.run(_topics(bootstrap, [topic, raw_topic], create=False))
     return {"relay": relay_rate, "raw": raw_rate, "rss_mb": rss_mb}
 
 
 def run() -> dict[str, Any]:
-    """Run both cases; return the figures."""
+    """Warm up, then ``ROUNDS`` rounds of every case side by side; medians + raw figures.
+
+    Each round drains the 1,000-key backlog with one relay and sends the same records raw,
+    drains the 10-key backlog, and drains the 1,000-key backlog with two relay processes.
+    """
     bootstrap = kafka_bootstrap()
-    normal = _case(1000, bootstrap)
-    hot = _case(10, bootstrap)
+    _case(1000, bootstrap, events=min(EVENTS, 5_000))  # warm-up: broker, caches, connections
+    normal, hot, two = [], [], []
+    for _ in range(ROUNDS):
+        normal.append(_case(1000, bootstrap))
+        hot.append(_case(10, bootstrap, raw=False))
+        two.append(_case(1000, bootstrap, relays=2, raw=False))
+    relay = median([r["relay"] for r in normal])
+    raw = median([r["raw"] for r in normal])
+    hot_rate = median([r["relay"] for r in hot])
+    two_rate = median([r["relay"] for r in two])
     result = {
         "relay_drain_events": EVENTS,
-        "relay_events_per_s": round(normal["relay"], 1),
-        "raw_events_per_s": round(normal["raw"], 1),
-        "relay_vs_raw_ratio": round(normal["relay"] / normal["raw"], 3),
-        "relay_peak_rss_mb": round(max(normal["rss_mb"], hot["rss_mb"]), 1),
-        "hot_keys_events_per_s": round(hot["relay"], 1),
-        "hot_keys_raw_events_per_s": round(hot["raw"], 1),
-        "hot_keys_ratio": round(hot["relay"] / normal["relay"], 3),
+        "relay_drain_rounds": ROUNDS,
+        "relay_events_per_s": round(relay, 1),
+        "raw_producer_events_per_s": round(raw, 1),
+        "relay_vs_raw_ratio": round(median([r["relay"] / r["raw"] for r in normal]), 3),
+        "relay_peak_rss_mb": round(max(r["rss_mb"] for r in normal + hot), 1),
+        "hot_keys_events_per_s": round(hot_rate, 1),
+        "hot_keys_ratio": round(hot_rate / relay, 3),
+        "relay_two_processes_events_per_s": round(two_rate, 1),
+        "relay_scaling_2_vs_1": round(two_rate / relay, 3),
+        "relay_drain_raw": {"normal": normal, "hot_keys": hot, "two_relays": two},
     }
     write_result("relay_drain", result)
     return result
