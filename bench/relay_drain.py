@@ -11,7 +11,9 @@ Run: ``python -m bench relay_drain`` or ``python bench/relay_drain.py`` (service
 Also ``relay_scaling_2_vs_1``: two relay processes over one on the same backlog (on 2 cores
 it need not exceed 1). Warm-up first, then ``BENCH_RELAY_ROUNDS`` (default 3) rounds, every
 case once per round, medians reported with every round's figures.
-Environment: ``BENCH_RELAY_EVENTS`` (default 200000), ``BENCH_RELAY_ROUNDS`` (default 3).
+Environment: ``BENCH_RELAY_EVENTS`` (default 200000), ``BENCH_RELAY_ROUNDS`` (default 3);
+``LEDGERBOX_RELAY_LANES`` (and any other ``LEDGERBOX_RELAY_*`` setting) reaches the relay CLI,
+and the lane count is recorded in the result (``relay_lanes``, "default" when unset).
 """
 
 from __future__ import annotations
@@ -215,6 +217,7 @@ def run() -> dict[str, Any]:
     result = {
         "relay_drain_events": EVENTS,
         "relay_drain_rounds": ROUNDS,
+        "relay_lanes": os.environ.get("LEDGERBOX_RELAY_LANES", "default"),
         "relay_events_per_s": round(relay, 1),
         "raw_producer_events_per_s": round(raw, 1),
         "relay_vs_raw_ratio": round(median([r["relay"] / r["raw"] for r in normal]), 3),

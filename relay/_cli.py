@@ -48,6 +48,7 @@ class RelaySettings(BaseSettings):
     outbox_table: str = "outbox"
     db_schema: str | None = None
     batch_size: int = 1000
+    lanes: int = 4
     poll_interval_s: float = 1.0
     lease_ttl_s: float = 5.0
     heartbeat_interval_s: float = 1.0
@@ -68,6 +69,7 @@ class RelaySettings(BaseSettings):
             outbox_table=self.outbox_table,
             schema=self.db_schema,
             batch_size=self.batch_size,
+            lanes=self.lanes,
             poll_interval_s=self.poll_interval_s,
             lease_ttl_s=self.lease_ttl_s,
             heartbeat_interval_s=self.heartbeat_interval_s,
@@ -104,6 +106,7 @@ def run(
     outbox_table: _Table = None,
     schema: _Schema = None,
     batch_size: Annotated[int | None, typer.Option(help="events per batch")] = None,
+    lanes: Annotated[int | None, typer.Option(help="concurrent pipelines, 1..64")] = None,
     poll_interval_s: Annotated[float | None, typer.Option(help="polling fallback, s")] = None,
     lease_ttl_s: Annotated[float | None, typer.Option(help="shard lease TTL, s")] = None,
     heartbeat_interval_s: Annotated[float | None, typer.Option(help="heartbeat, s")] = None,
@@ -123,6 +126,7 @@ def run(
         outbox_table=outbox_table,
         db_schema=schema,
         batch_size=batch_size,
+        lanes=lanes,
         poll_interval_s=poll_interval_s,
         lease_ttl_s=lease_ttl_s,
         heartbeat_interval_s=heartbeat_interval_s,

@@ -33,6 +33,11 @@ class RelayConfig:
         The outbox table and its schema (``None``: the search path); SQL identifiers.
     batch_size : int
         Most events claimed, published and marked per batch (default 1000).
+    lanes : int
+        Concurrent claim -> publish -> mark pipelines inside this relay (default 4, 1..64).
+        The owned shards are split by ``shard % lanes``: a shard belongs to exactly one lane,
+        so rows of one key are still handed to the producer in id order by one pipeline (G3).
+        Each lane holds two database connections (claim, mark).
     poll_interval_s : float
         Polling fallback when no NOTIFY arrives, in seconds (default 1.0).
     lease_ttl_s : float
@@ -74,6 +79,7 @@ class RelayConfig:
     outbox_table: str = "outbox"
     schema: str | None = None
     batch_size: int = 1000
+    lanes: int = 4
     poll_interval_s: float = 1.0
     lease_ttl_s: float = 5.0
     heartbeat_interval_s: float = 1.0
@@ -100,6 +106,7 @@ class RelayConfig:
         if self.schema is not None:
             sql_identifier(self.schema, "schema")
         _check(1 <= self.batch_size <= 100_000, "batch_size must be in 1..100000")
+        _check(1 <= self.lanes <= 64, "lanes must be in 1..64")
         _check(self.poll_interval_s > 0, "poll_interval_s must be > 0")
         _check(self.lease_ttl_s > 0, "lease_ttl_s must be > 0")
         _check(

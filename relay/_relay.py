@@ -37,6 +37,13 @@ next batch is also claimed while the current one awaits its confirmations (prefe
 handed to the producer only once the current one is confirmed in full; a batch with a
 failure drops the prefetched claim.
 
+Lanes: the batches above run in ``config.lanes`` concurrent pipelines ("lanes"), each with
+its own claim and mark connections and its own prefetch / background mark, sharing the one
+producer. Lane ``i`` claims only the usable shards with ``shard % lanes == i``: a shard maps
+to exactly one lane, so rows of one shard (and key) are handed to the producer by one
+pipeline, one batch after the other, in id order (G3 as above). The relay mostly waits on
+PostgreSQL and Kafka; lanes overlap those waits.
+
 Why not a snapshot (xid) cursor: status marking is simpler, has no "cursor ahead of the
 database" failure mode after a restore from a dump, and its per-row write is batched into
 one UPDATE per batch. Its cost: one row update per event (and the cleanup of those rows).
@@ -134,6 +141,23 @@ def to_record(event: ClaimedEvent) -> OutboundRecord:
     )
 
 
+class _Lane:
+    """State of one claim -> publish -> mark pipeline (the shards ``shard % lanes == index``)."""
+
+    def __init__(self, index: int, store: RelayStore, mark_store: RelayStore) -> None:
+        self.index = index
+        self.store = store
+        # Marks run on their own connection so that they overlap the next claim (pipelining).
+        self.mark_store = mark_store
+        self.wake = asyncio.Event()
+        self.inflight: set[int] = set()
+        self.marking: asyncio.Task[int] | None = None
+        self.prefetch: asyncio.Task[tuple[list[ClaimedEvent], dict[int, int]]] | None = None
+        self.marking_ids: list[int] = []
+        self.marking_shards: set[int] = set()
+        self.rotation = 0
+
+
 def _reason(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -176,9 +200,14 @@ class Relay:
             max_batch_bytes=config.producer_batch_bytes,
             request_timeout_ms=config.request_timeout_ms,
         )
-        self._store = store or RelayStore(config, "main")
-        # Marks run on their own connection so that they overlap the next claim (pipelining).
-        self._mark_store = store or RelayStore(config, "mark")
+        self._lanes = [
+            _Lane(
+                i,
+                store or RelayStore(config, "main" if config.lanes == 1 else f"main{i}"),
+                store or RelayStore(config, "mark" if config.lanes == 1 else f"mark{i}"),
+            )
+            for i in range(config.lanes)
+        ]
         self._lease_store = RelayStore(config, "lease")
         self._maint_store = RelayStore(config, "maint")
         self._listen_store = RelayStore(config, "listen")
@@ -189,16 +218,11 @@ class Relay:
         self._book = LeaseBook(config.lease_ttl_s, margin_s)
         self._backoff = Backoff(base_s=0.1, max_s=config.backoff_max_s)
         self._stopping = asyncio.Event()
-        self._wake = asyncio.Event()
-        self._inflight: set[int] = set()
-        self._marking: asyncio.Task[int] | None = None
-        self._prefetch: asyncio.Task[tuple[list[ClaimedEvent], dict[int, int]]] | None = None
-        self._marking_ids: list[int] = []
-        self._marking_shards: set[int] = set()
         self._leases_ready = False
         self._producer_ready = False
+        # Lanes share the producer: its start and stop never run twice at once.
+        self._producer_lock = asyncio.Lock()
         self._publish_failures = 0
-        self._rotation = 0
         self._last_cleanup = -float("inf")
         self._mark_delay_s = int(os.environ.get(TEST_MARK_DELAY_ENV, "0") or 0) / 1000
 
@@ -218,10 +242,11 @@ class Relay:
         except asyncio.CancelledError:
             # Cancelled (not stopped): abandon a mark still retrying; its rows stay pending
             # and are sent again later with the same event ids.
-            if self._marking is not None:
-                self._marking.cancel()
-            if self._prefetch is not None:
-                self._prefetch.cancel()
+            for lane in self._lanes:
+                if lane.marking is not None:
+                    lane.marking.cancel()
+                if lane.prefetch is not None:
+                    lane.prefetch.cancel()
             raise
         finally:
             for task in tasks:
@@ -232,12 +257,14 @@ class Relay:
             await self.close()
 
     async def run_once(self) -> int:
-        """One cycle: heartbeat (membership and leases), then one claim/publish/mark.
+        """One cycle: heartbeat (membership and leases), then one claim/publish/mark per
+        lane (the lanes one after the other).
 
         Returns
         -------
         int
-            Number of events confirmed by Kafka and marked published in this cycle.
+            Number of events confirmed by Kafka and marked published in this cycle (all
+            lanes).
 
         Raises
         ------
@@ -247,21 +274,29 @@ class Relay:
         await self._heartbeat_once()
         if not await self._ensure_producer():
             return 0
-        _, published = await self._publish_batch()
-        return published
+        total = 0
+        for lane in self._lanes:
+            _, published = await self._publish_batch(lane)
+            total += published
+        return total
 
     def stop(self) -> None:
         """Ask :meth:`run` to finish (safe to call from a signal handler in the loop)."""
         self._stopping.set()
-        self._wake.set()
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        for lane in self._lanes:
+            lane.wake.set()
 
     async def close(self) -> None:
         """Release leases and the member row, flush and stop the producer, disconnect."""
         self._stopping.set()  # a mark still retrying gives up after its third attempt
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._drop_prefetch()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._finish_marking()
+        for lane in self._lanes:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drop_prefetch(lane)
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._finish_marking(lane)
         held = self._book.held()
         self._book.expire_all()
         m.OWNED_SHARDS.set(0)
@@ -272,8 +307,10 @@ class Relay:
         if self._producer_ready:
             self._producer_ready = False
             await self._publisher.stop()
-        stores = (self._store, self._mark_store, self._lease_store, self._maint_store)
-        for store in (*stores, self._listen_store):
+        stores = [self._lease_store, self._maint_store, self._listen_store]
+        for lane in self._lanes:
+            stores += [lane.store, lane.mark_store]
+        for store in stores:
             await store.close()
 
     async def __aenter__(self) -> Relay:
@@ -330,7 +367,7 @@ class Relay:
             new = self._book.granted(grants, sent_at)
             if new:
                 log.info("acquired shards %s", new, extra={"shards": new})
-                self._wake.set()
+                self._wake_all()
         if not self._book.is_leader(self._clock()):
             sent_at = self._clock()
             grants = await self._lease_store.acquire_shards(
@@ -343,7 +380,9 @@ class Relay:
         m.OWNED_SHARDS.set(len(self._book.data_shards()))
 
     async def _release_drained(self) -> None:
-        busy = self._inflight | self._marking_shards
+        busy: set[int] = set()
+        for lane in self._lanes:
+            busy |= lane.inflight | lane.marking_shards
         free = [s for s in self._book.draining() if s not in busy]
         if not free:
             return
@@ -354,54 +393,60 @@ class Relay:
     # -- the hot path --------------------------------------------------------------------------
 
     async def _ensure_producer(self) -> bool:
-        if self._producer_ready:
+        async with self._producer_lock:
+            if self._producer_ready:
+                return True
+            try:
+                await self._publisher.start()
+            except Exception as exc:
+                self._publish_failures += 1
+                m.RETRIES.labels(stage="producer").inc()
+                log.warning(
+                    "Kafka producer cannot start: %s",
+                    _reason(exc),
+                    extra={"attempt": self._publish_failures},
+                )
+                return False
+            self._producer_ready = True
             return True
-        try:
-            await self._publisher.start()
-        except Exception as exc:
-            self._publish_failures += 1
-            m.RETRIES.labels(stage="producer").inc()
-            log.warning(
-                "Kafka producer cannot start: %s",
-                _reason(exc),
-                extra={"attempt": self._publish_failures},
-            )
-            return False
-        self._producer_ready = True
-        return True
 
-    async def _claim(self, exclude: list[int]) -> tuple[list[ClaimedEvent], dict[int, int]]:
-        """Claim the next batch of the usable shards; returns it with the fences it was
-        claimed under."""
-        shards = self._book.usable(self._clock())
+    async def _claim(
+        self, lane: _Lane, exclude: list[int]
+    ) -> tuple[list[ClaimedEvent], dict[int, int]]:
+        """Claim the next batch of the lane's usable shards; returns it with the fences it
+        was claimed under."""
+        lanes = len(self._lanes)
+        shards = [s for s in self._book.usable(self._clock()) if s % lanes == lane.index]
         if not shards:
             return [], {}
-        start = self._rotation % len(shards)
-        self._rotation += 1
+        start = lane.rotation % len(shards)
+        lane.rotation += 1
         shards = shards[start:] + shards[:start]
         fences = {s: self._book.fence(s) for s in shards}
-        events = await self._store.claim_batch(
+        events = await lane.store.claim_batch(
             shards, self.config.batch_size, hold=self.config.on_dead == "hold", exclude=exclude
         )
         return events, fences
 
-    def _start_prefetch(self, sent: list[ClaimedEvent]) -> None:
+    def _start_prefetch(self, lane: _Lane, sent: list[ClaimedEvent]) -> None:
         """Claim the next batch while the current one awaits Kafka (pipelining). It excludes
         the rows in flight (``sent``) and those being marked; it is only used if the current
         batch is confirmed in full, and its records are handed to the producer only after
         that, so batches reach the producer one after the other, in order."""
-        exclude = [e.id for e in sent] + self._marking_ids
-        self._prefetch = asyncio.create_task(self._claim(exclude), name="relay-prefetch")
+        exclude = [e.id for e in sent] + lane.marking_ids
+        lane.prefetch = asyncio.create_task(
+            self._claim(lane, exclude), name=f"relay-prefetch-{lane.index}"
+        )
 
-    async def _drop_prefetch(self) -> None:
-        task, self._prefetch = self._prefetch, None
+    async def _drop_prefetch(self, lane: _Lane) -> None:
+        task, lane.prefetch = lane.prefetch, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, StoreError):
                 await task
 
-    async def _publish_batch(self, *, pipelined: bool = False) -> tuple[int, int]:
-        """Claim, publish, mark one batch; returns ``(claimed, marked published)``.
+    async def _publish_batch(self, lane: _Lane, *, pipelined: bool = False) -> tuple[int, int]:
+        """Claim, publish, mark one batch of ``lane``; returns ``(claimed, marked published)``.
 
         ``pipelined``: while a batch awaits its delivery confirmations the next one is
         claimed; a clean batch's mark runs in the background while the next batch is sent
@@ -409,48 +454,54 @@ class Relay:
         then includes rows whose mark is still running.
         """
         started = time.perf_counter()
-        task, self._prefetch = self._prefetch, None
+        task, lane.prefetch = lane.prefetch, None
         events: list[ClaimedEvent] = []
         fences: dict[int, int] = {}
         if task is not None:
             events, fences = await task
         if not events:
             # Nothing prefetched (or it found nothing, maybe before a NOTIFY): claim afresh.
-            events, fences = await self._claim(self._marking_ids)
+            events, fences = await self._claim(lane, lane.marking_ids)
         if not events:
-            await self._finish_marking()
+            await self._finish_marking(lane)
             return 0, 0
         # The claim may have been slow: publish only shards still held under the same fence.
         usable = {
             s for s in self._book.usable(self._clock()) if self._book.fence(s) == fences.get(s)
         }
         events = [e for e in events if e.shard in usable]
-        self._inflight = {e.shard for e in events}
+        lane.inflight = {e.shard for e in events}
         try:
-            after_send = (lambda: self._start_prefetch(events)) if pipelined else None
+            after_send = (lambda: self._start_prefetch(lane, events)) if pipelined else None
             confirmed, dead, failure = await self._publish(events, after_send)
             if failure is not None or dead:
                 # The prefetched claim may hold later rows of a key whose row failed or died.
-                await self._drop_prefetch()
+                await self._drop_prefetch(lane)
             for event, reason in dead:
-                await self._mark_dead(event, fences[event.shard], reason)
-            await self._finish_marking()
+                await self._mark_dead(lane, event, fences[event.shard], reason)
+            await self._finish_marking(lane)
             published = 0
             if confirmed:
                 if self._mark_delay_s:
                     await asyncio.sleep(self._mark_delay_s)
+                ids = [e.id for e in confirmed]
+                shard_fences = sorted({(e.shard, fences[e.shard]) for e in confirmed})
                 if pipelined and failure is None and not dead:
-                    self._marking_ids = [e.id for e in confirmed]
-                    self._marking_shards = {e.shard for e in confirmed}
-                    self._marking = asyncio.create_task(self._mark_published(confirmed, fences))
+                    lane.marking_ids = ids
+                    lane.marking_shards = {s for s, _ in shard_fences}
+                    # The background mark keeps ids and fences only, not the batch's rows
+                    # (peak RSS with several lanes).
+                    lane.marking = asyncio.create_task(
+                        self._mark_published(lane, ids, shard_fences, confirmed[0])
+                    )
                     published = len(confirmed)
                 else:
-                    published = await self._mark_published(confirmed, fences)
+                    published = await self._mark_published(lane, ids, shard_fences, confirmed[0])
         except BaseException:
-            await self._drop_prefetch()
+            await self._drop_prefetch(lane)
             raise
         finally:
-            self._inflight = set()
+            lane.inflight = set()
         m.PUBLISH_BATCH_DURATION.observe(time.perf_counter() - started)
         if failure is not None:
             await self._after_publish_failure(failure, events)
@@ -459,15 +510,15 @@ class Relay:
         await self._release_drained()
         return len(events), published
 
-    async def _finish_marking(self) -> None:
-        """Wait for the background mark of the previous batch (pipelining)."""
-        task, self._marking = self._marking, None
+    async def _finish_marking(self, lane: _Lane) -> None:
+        """Wait for the background mark of the lane's previous batch (pipelining)."""
+        task, lane.marking = lane.marking, None
         try:
             if task is not None:
                 await task
         finally:
-            self._marking_ids = []
-            self._marking_shards = set()
+            lane.marking_ids = []
+            lane.marking_shards = set()
 
     async def _publish(
         self, events: list[ClaimedEvent], after_send: Callable[[], None] | None = None
@@ -496,7 +547,16 @@ class Relay:
             return [], dead, exc
         if after_send is not None:
             after_send()
-        results = await asyncio.gather(*futures, return_exceptions=True)
+        # Bounded: with several lanes another lane may recreate the producer while these
+        # records are in flight, and a producer stopped mid-flight can leave their futures
+        # unresolved (seen in the Kafka outage test). Not confirmed in time = transient.
+        wait_s = 2 * self.config.request_timeout_ms / 1000 + 5
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*futures, return_exceptions=True), wait_s
+            )
+        except TimeoutError as exc:
+            return [], dead, exc
         confirmed: list[ClaimedEvent] = []
         suspects: list[ClaimedEvent] = []
         for (event, _), result in zip(sendable, results, strict=True):
@@ -549,16 +609,18 @@ class Relay:
                 "partition_key": first.partition_key if first else None,
             },
         )
-        if attempt % _RECREATE_PRODUCER_AFTER == 0 and self._producer_ready:
-            self._producer_ready = False
-            await self._publisher.stop()
+        if attempt % _RECREATE_PRODUCER_AFTER == 0:
+            async with self._producer_lock:
+                if self._producer_ready:
+                    self._producer_ready = False
+                    await self._publisher.stop()
         await self._sleep(self._backoff.delay_s(attempt))
 
-    async def _mark_published(self, confirmed: list[ClaimedEvent], fences: dict[int, int]) -> int:
-        ids = [e.id for e in confirmed]
-        shard_fences = sorted({(e.shard, fences[e.shard]) for e in confirmed})
+    async def _mark_published(
+        self, lane: _Lane, ids: list[int], shard_fences: list[tuple[int, int]], first: ClaimedEvent
+    ) -> int:
         n = await self._retry_store(
-            "mark", lambda: self._mark_store.mark_published(ids, shard_fences), confirmed[0]
+            "mark", lambda: lane.mark_store.mark_published(ids, shard_fences), first
         )
         if n is None:
             return 0
@@ -571,9 +633,9 @@ class Relay:
         m.PUBLISHED.inc(n)
         return n
 
-    async def _mark_dead(self, event: ClaimedEvent, fence: int, reason: str) -> None:
+    async def _mark_dead(self, lane: _Lane, event: ClaimedEvent, fence: int, reason: str) -> None:
         n = await self._retry_store(
-            "mark_dead", lambda: self._store.mark_dead(event.id, fence, reason), event
+            "mark_dead", lambda: lane.store.mark_dead(event.id, fence, reason), event
         )
         if n:
             m.DEAD_EVENTS.inc()
@@ -612,14 +674,33 @@ class Relay:
     # -- loops -----------------------------------------------------------------------------
 
     async def _main_loop(self) -> None:
+        """Run every lane's loop; the first unexpected error stops the others and is raised."""
+        if len(self._lanes) == 1:
+            await self._lane_loop(self._lanes[0])
+            return
+        tasks = [
+            asyncio.create_task(self._lane_loop(lane), name=f"relay-lane-{lane.index}")
+            for lane in self._lanes
+        ]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                raise result
+
+    async def _lane_loop(self, lane: _Lane) -> None:
         attempt = 0
         while not self._stopping.is_set():
-            self._wake.clear()
+            lane.wake.clear()
             try:
                 if not await self._ensure_producer():
                     await self._sleep(self._backoff.delay_s(self._publish_failures))
                     continue
-                claimed, _ = await self._publish_batch(pipelined=True)
+                claimed, _ = await self._publish_batch(lane, pipelined=True)
                 attempt = 0
             except StoreError as exc:
                 attempt += 1
@@ -630,7 +711,7 @@ class Relay:
             if claimed:
                 continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.poll_interval_s)
+                await asyncio.wait_for(lane.wake.wait(), self.config.poll_interval_s)
 
     async def _heartbeat_loop(self) -> None:
         attempt = 0
@@ -649,10 +730,10 @@ class Relay:
         while not self._stopping.is_set():
             try:
                 # (Re)connected: a notification may have been missed meanwhile.
-                self._wake.set()
+                self._wake_all()
                 async for _ in self._listen_store.notifications():
                     attempt = 0
-                    self._wake.set()
+                    self._wake_all()
             except StoreError as exc:
                 attempt += 1
                 m.RETRIES.labels(stage="listen").inc()

@@ -70,7 +70,9 @@ async def test_run_once_publishes_one_batch_in_key_order(engine: Engine, databas
     events = [rs.event(writer, f"k{i % 3}", i) for i in range(7)]
     rs.stage(engine, writer, events)
     publisher = InMemoryPublisher()
-    relay = Relay(rs.config(database_url, "unused:9092", batch_size=5), publisher=publisher)
+    # One lane: one batch per cycle (tests/integration/test_relay_lanes.py covers several).
+    config = rs.config(database_url, "unused:9092", batch_size=5, lanes=1)
+    relay = Relay(config, publisher=publisher)
     try:
         assert await relay.run_once() == 5
         assert await relay.run_once() == 2

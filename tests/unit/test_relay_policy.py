@@ -148,6 +148,7 @@ def test_config_defaults_and_url_conversion() -> None:
         database_url="postgresql+psycopg://u:p@h:5/db", kafka_bootstrap_servers="k:9092"
     )
     assert cfg.batch_size == 1000
+    assert cfg.lanes == 4
     assert cfg.on_dead == "hold"
     assert cfg.compression == "lz4"
     assert cfg.retention_s == 7 * 86400
@@ -171,6 +172,8 @@ def test_config_defaults_and_url_conversion() -> None:
         {"outbox_table": "Outbox; DROP"},
         {"schema": "a-b"},
         {"shard_count": 0},
+        {"lanes": 0},
+        {"lanes": 65},
     ],
 )
 def test_config_rejects_bad_values(bad: dict[str, object]) -> None:
