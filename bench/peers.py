@@ -62,7 +62,7 @@ def _load_workload() -> ModuleType:
 workload = _load_workload()
 
 EVENTS = 200_000
-DRAIN_TIMEOUT_S = 600.0
+DRAIN_TIMEOUT_S = float(os.environ.get("BENCH_PEER_TIMEOUT_S", "600"))
 #: A run during which a service restarted or the driver logged broker/database trouble is
 #: "disturbed" (the services are shared: other people's tests stop and start them) and is
 #: run again, up to this many runs in all.
