@@ -1,22 +1,38 @@
 """Inbox apply rate vs a plain consumer doing the same business update without dedup.
 
-One topic (1 partition) holds ``RECORDS`` events. Each round consumes all of them three ways,
-each with a fresh consumer group, against the same database and the same records:
+One topic (1 partition) holds ``RECORDS`` events. Each round consumes all of them once per
+variant, each with a fresh consumer group (manually assigned partition: no group join), against
+the same database and the same records. Every inbox variant is compared with the plain consumer
+of the SAME transaction structure:
 
-- ``plain``: ``AIOKafkaConsumer`` (manual commits), one transaction per record running the
-  business ``UPDATE account SET balance = balance + :amount``; no inbox, no Redis;
-- ``inbox``: :class:`inbox.InboxConsumer` without Redis (inbox row + the same UPDATE), with
-  its default batching (records already waiting on a partition share one transaction);
-- ``inbox_unbatched``: the same with ``batch_max_records=1`` (one transaction per record,
-  like ``plain``), to show what the inbox itself costs;
-- ``inbox_redis``: the same with Redis (dedup hint, in-progress marker, "done" key).
+============================  ===================================================================
+variant                       what one transaction holds
+============================  ===================================================================
+``plain``                     up to ``BATCH`` records of the partition: the business
+                              ``UPDATE account SET balance = balance + :amount`` for each;
+                              no inbox row, no dedup, no Redis (``AIOKafkaConsumer``, manual
+                              offset commits)
+``plain_unbatched``           one record: its ``UPDATE``
+``inbox``                     :class:`inbox.InboxConsumer` without Redis, ``batch_max_records =
+                              BATCH``: one inbox insert for the batch + the same ``UPDATE`` s
+``inbox_unbatched``           the same with ``batch_max_records=1``: inbox row + ``UPDATE``
+``inbox_redis``               ``inbox`` with Redis (dedup hint, "done" keys)
+``inbox_redis_unbatched``     ``inbox_unbatched`` with Redis (hint, in-progress marker, "done")
+============================  ===================================================================
 
-The clock runs from the first record's processing to the last record's commit, so the group
-join (seconds, identical for all) is not measured. Variants are interleaved per round and the
-median of the per-round ratios is reported. Target: ``inbox_vs_plain_ratio >= 0.7``.
+Both sides parse the envelope of every record. The clock runs from the first record handed to
+processing to the last record's database commit (inbox: the ``after_commit`` hook), so fetch
+start-up is not measured. A warm-up round is run first and discarded; in each round the batched
+variants run back to back, then the unbatched ones, in an order rotated every round; every
+ratio is the median of the per-round ratios ``plain seconds / inbox seconds`` of the matched
+pair. The consumer process's CPU time per event is reported too: on a shared machine it is
+steadier than wall time.
+
+Keys read by ``python -m bench``: ``inbox_vs_plain_ratio`` (batched vs batched, target >= 0.7),
+``inbox_events_per_s``, ``plain_consumer_events_per_s``.
 
 Run: ``python -m bench inbox_apply`` (services up; ``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS``,
-``REDIS_URL`` set).
+``REDIS_URL`` set). ``BENCH_INBOX_RECORDS`` (default 5000), ``BENCH_INBOX_ROUNDS`` (default 3).
 """
 
 from __future__ import annotations
@@ -25,25 +41,36 @@ import asyncio
 import os
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from typing import Any
 
 import sqlalchemy as sa
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from bench._common import fresh_database, kafka_bootstrap, median, write_result
-from inbox import ConsumerConfig, HandlerContext, InboxConsumer
+from inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
 from inbox._consumer import ConsumerHooks
-from inbox._metrics import PROCESSED
 from inbox.testing import kafka_parts
-from outbox import EventEnvelope, OutboxWriter, TopicRouter
+from outbox import EventEnvelope, OutboxWriter, TopicRouter, envelope_from_kafka
 
-RECORDS = int(os.environ.get("BENCH_INBOX_RECORDS", "2000"))
+RECORDS = int(os.environ.get("BENCH_INBOX_RECORDS", "5000"))
 ROUNDS = int(os.environ.get("BENCH_INBOX_ROUNDS", "3"))
+BATCH = 100  # the inbox default batch_max_records
 ACCOUNTS = 50
 UPDATE = sa.text("UPDATE bench_account SET balance = balance + :amount WHERE id = :id")
+# inbox variant: (plain variant of the same transaction structure, key of their ratio)
+PAIRS = {
+    "inbox": ("plain", "inbox_vs_plain_ratio"),
+    "inbox_unbatched": ("plain_unbatched", "inbox_unbatched_vs_plain_unbatched_ratio"),
+    "inbox_redis": ("plain", "inbox_redis_vs_plain_ratio"),
+    "inbox_redis_unbatched": (
+        "plain_unbatched",
+        "inbox_redis_unbatched_vs_plain_unbatched_ratio",
+    ),
+}
 
 
 async def _setup(url: str, bootstrap: str) -> str:
@@ -84,63 +111,84 @@ async def _setup(url: str, bootstrap: str) -> str:
     return topic
 
 
-async def _plain(engine: AsyncEngine, bootstrap: str, topic: str) -> float:
+async def _plain(
+    engine: AsyncEngine, bootstrap: str, topic: str, batch: int
+) -> tuple[float, float]:
+    """A hand-written consumer: ``batch`` records of the partition per transaction.
+
+    Returns wall and CPU seconds from the first record to the last commit."""
     consumer = AIOKafkaConsumer(
-        topic,
         bootstrap_servers=bootstrap,
         group_id=f"plain-{uuid.uuid4().hex[:8]}",
         enable_auto_commit=False,
         auto_offset_reset="earliest",
     )
+    consumer.assign([TopicPartition(topic, 0)])
     await consumer.start()
-    done, started = 0, 0.0
+    done, started, finished, cpu_started, cpu_finished = 0, 0.0, 0.0, 0.0, 0.0
     try:
         while done < RECORDS:
             batches = await consumer.getmany(timeout_ms=100, max_records=500)
             for records in batches.values():
-                for record in records:
-                    if not started:
-                        started = time.perf_counter()
-                    # The same parse and the same business write as the inbox handler.
-                    from outbox import envelope_from_kafka
-
-                    event = envelope_from_kafka(
-                        record.topic, record.key, record.value, list(record.headers)
-                    )
+                if not started:
+                    started, cpu_started = time.perf_counter(), time.process_time()
+                for i in range(0, len(records), batch):
                     async with engine.begin() as conn:
-                        await conn.execute(
-                            UPDATE,
-                            {"amount": Decimal(event.payload["amount"]), "id": event.aggregate_id},
-                        )
-                    done += 1
+                        for record in records[i : i + batch]:
+                            # The same parse and the same business write as the inbox handler.
+                            event = envelope_from_kafka(
+                                record.topic, record.key, record.value, list(record.headers)
+                            )
+                            await conn.execute(
+                                UPDATE,
+                                {
+                                    "amount": Decimal(event.payload["amount"]),
+                                    "id": event.aggregate_id,
+                                },
+                            )
+                    done += len(records[i : i + batch])
+                finished, cpu_finished = time.perf_counter(), time.process_time()
             if batches:
                 await consumer.commit()
-        return time.perf_counter() - started
+        return finished - started, cpu_finished - cpu_started
     finally:
         await consumer.stop()
 
 
 async def _inbox(
-    url: str, bootstrap: str, topic: str, redis_url: str | None, batch: int = 100
-) -> float:
+    url: str, bootstrap: str, topic: str, redis_url: str | None, batch: int
+) -> tuple[float, float]:
+    """The inbox consumer; returns wall and CPU seconds from the first record's transaction
+    to the last record's commit."""
     group = f"inbox-{uuid.uuid4().hex[:8]}"
-    started: list[float] = []
+    started: list[float] = []  # wall, CPU
+    finished: list[float] = []
+    count = 0
+    all_done = asyncio.Event()
 
     async def first(ctx: HandlerContext[Any]) -> None:
         if not started:
-            started.append(time.perf_counter())
+            started.extend((time.perf_counter(), time.process_time()))
+
+    async def committed(record: Any, outcome: Outcome) -> None:
+        nonlocal count
+        count += 1
+        if count == RECORDS:
+            finished.extend((time.perf_counter(), time.process_time()))
+            all_done.set()
 
     consumer = InboxConsumer(
         ConsumerConfig(
             group_id=group,
             topics=[topic],
+            assignment=[(topic, 0)],
             database_url=url,
             kafka_bootstrap_servers=bootstrap,
             redis_url=redis_url,
             redis_key_prefix=f"bench:{group}:",
             batch_max_records=batch,
         ),
-        hooks=ConsumerHooks(after_begin=first),
+        hooks=ConsumerHooks(after_begin=first, after_commit=committed),
     )
 
     @consumer.handler("Credited")
@@ -151,14 +199,38 @@ async def _inbox(
 
     task = asyncio.create_task(consumer.run())
     try:
-        while PROCESSED.labels(group)._value.get() < RECORDS:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.005)
-        return time.perf_counter() - started[0]
+        waiter = asyncio.create_task(all_done.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if not all_done.is_set():
+            waiter.cancel()
+            task.result()  # the consumer died: surface why
+            raise RuntimeError("inbox consumer stopped before applying every record")
+        return finished[0] - started[0], finished[1] - started[1]
     finally:
         consumer.stop()
         await task
+
+
+Variant = Callable[[], Awaitable[tuple[float, float]]]
+
+
+def _groups(
+    url: str, engine: AsyncEngine, bootstrap: str, topic: str, redis_url: str | None
+) -> list[dict[str, Variant]]:
+    # Variants compared with each other run next to each other: the machine is shared and
+    # its load drifts, so a pair measured minutes apart would compare two machines.
+    batched: dict[str, Variant] = {
+        "plain": lambda: _plain(engine, bootstrap, topic, BATCH),
+        "inbox": lambda: _inbox(url, bootstrap, topic, None, BATCH),
+    }
+    unbatched: dict[str, Variant] = {
+        "plain_unbatched": lambda: _plain(engine, bootstrap, topic, 1),
+        "inbox_unbatched": lambda: _inbox(url, bootstrap, topic, None, 1),
+    }
+    if redis_url:
+        batched["inbox_redis"] = lambda: _inbox(url, bootstrap, topic, redis_url, BATCH)
+        unbatched["inbox_redis_unbatched"] = lambda: _inbox(url, bootstrap, topic, redis_url, 1)
+    return [batched, unbatched]
 
 
 async def _main() -> dict[str, Any]:
@@ -167,42 +239,37 @@ async def _main() -> dict[str, Any]:
     with fresh_database("bench_inbox") as url:
         topic = await _setup(url, bootstrap)
         engine = create_async_engine(url)
-        plain_s: list[float] = []
-        inbox_s: list[float] = []
-        redis_s: list[float] = []
-        single_s: list[float] = []
         try:
-            for _ in range(ROUNDS):
-                plain_s.append(await _plain(engine, bootstrap, topic))
-                inbox_s.append(await _inbox(url, bootstrap, topic, None))
-                single_s.append(await _inbox(url, bootstrap, topic, None, batch=1))
-                if redis_url:
-                    redis_s.append(await _inbox(url, bootstrap, topic, redis_url))
+            groups = _groups(url, engine, bootstrap, topic, redis_url)
+            seconds: dict[str, list[float]] = {name: [] for group in groups for name in group}
+            cpu_s: dict[str, list[float]] = {name: [] for name in seconds}
+            for round_no in range(ROUNDS + 1):  # round 0 warms up and is discarded
+                for group in groups:
+                    names = list(group)
+                    shift = round_no % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        wall, cpu = await group[name]()
+                        if round_no:
+                            seconds[name].append(wall)
+                            cpu_s[name].append(cpu)
         finally:
             await engine.dispose()
-    ratios = [p / i for p, i in zip(plain_s, inbox_s, strict=True)]
     result: dict[str, Any] = {
         "inbox_records": RECORDS,
         "inbox_rounds": ROUNDS,
-        "plain_consumer_events_per_s": RECORDS / median(plain_s),
-        "inbox_events_per_s": RECORDS / median(inbox_s),
-        "inbox_vs_plain_ratio": median(ratios),
-        "inbox_unbatched_events_per_s": RECORDS / median(single_s),
-        "inbox_unbatched_vs_plain_ratio": median(
-            [p / u for p, u in zip(plain_s, single_s, strict=True)]
-        ),
-        "inbox_raw_seconds": {
-            "plain": plain_s,
-            "inbox": inbox_s,
-            "inbox_unbatched": single_s,
-            "inbox_redis": redis_s,
-        },
+        "inbox_batch_records": BATCH,
+        "plain_consumer_events_per_s": RECORDS / median(seconds["plain"]),
+        "plain_unbatched_events_per_s": RECORDS / median(seconds["plain_unbatched"]),
+        "inbox_raw_seconds": seconds,
+        # Consumer process CPU per event (client side: Python, driver, event loop), medians.
+        "inbox_cpu_us_per_event": {n: 1e6 * median(v) / RECORDS for n, v in cpu_s.items()},
     }
-    if redis_s:
-        result["inbox_redis_events_per_s"] = RECORDS / median(redis_s)
-        result["inbox_redis_vs_plain_ratio"] = median(
-            [p / r for p, r in zip(plain_s, redis_s, strict=True)]
-        )
+    for inbox_name, (plain_name, key) in PAIRS.items():
+        if inbox_name not in seconds:
+            continue
+        result[f"{inbox_name}_events_per_s"] = RECORDS / median(seconds[inbox_name])
+        ratios = [p / i for p, i in zip(seconds[plain_name], seconds[inbox_name], strict=True)]
+        result[key] = median(ratios)
     return result
 
 

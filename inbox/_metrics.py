@@ -16,6 +16,7 @@ __all__ = [
     "PROCESSED",
     "REDIS_DEGRADED",
     "RETRIES",
+    "GroupMetrics",
 ]
 
 PROCESSED = Counter(
@@ -53,3 +54,20 @@ REDIS_DEGRADED = Gauge(
     "1 while Redis is unreachable and the consumer runs on the database alone, else 0.",
     ["group"],
 )
+
+
+class GroupMetrics:
+    """The series of one consumer group, looked up once per consumer.
+
+    ``labels()`` takes a lock and hashes the label values on every call; the hot path uses
+    these children instead. Building them also exports every series at 0 from the start.
+    """
+
+    def __init__(self, group: str) -> None:
+        self.processed = PROCESSED.labels(group)
+        self.duplicates_redis = DUPLICATES.labels(group, "redis")
+        self.duplicates_db = DUPLICATES.labels(group, "db")
+        self.conflicts = CONFLICTS.labels(group)
+        self.retries = RETRIES.labels(group)
+        self.dead_lettered = DEAD_LETTERED.labels(group)
+        self.handler_duration = HANDLER_DURATION.labels(group)

@@ -47,6 +47,18 @@ end
 return 0
 """
 
+# Claim the "in progress" marker unless the event is already done, in one round trip:
+# 1 claimed, 0 held by another owner or done (the caller then asks is_done).
+CLAIM_LUA = """
+if redis.call('exists', KEYS[2]) == 1 then
+  return 0
+end
+if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return 1
+end
+return 0
+"""
+
 # Compare-and-pexpire: extend only if the key still holds our token. Returns 1 if we own it.
 RENEW_LUA = """
 if redis.call('get', KEYS[1]) == ARGV[1] then
@@ -130,7 +142,12 @@ class DedupStore(Protocol):
         ...
 
     async def claim(self, group: str, event_id: uuid.UUID, owner: str, ttl_ms: int) -> bool:
-        """Set the "in progress" marker (``SET NX PX``); False if another owner holds it."""
+        """Set the "in progress" marker (``SET NX PX``); False if another owner holds it.
+
+        An implementation may also return False when the event's "done" key is set, saving
+        the consumer a separate :meth:`is_done` call (the Redis one does, atomically); the
+        consumer asks :meth:`is_done` after a refused claim.
+        """
         ...
 
     async def unclaim(self, group: str, event_id: uuid.UUID, owner: str) -> None:
@@ -200,6 +217,7 @@ class RedisDedupStore:
         self.client = client
         self.prefix = prefix
         self._unclaim = client.register_script(RELEASE_LUA)
+        self._claim = client.register_script(CLAIM_LUA)
 
     def _key(self, kind: str, group: str, event_id: uuid.UUID) -> str:
         return f"{self.prefix}inbox:{group}:{kind}:{event_id}"
@@ -233,8 +251,8 @@ class RedisDedupStore:
         await _guard(write)
 
     async def claim(self, group: str, event_id: uuid.UUID, owner: str, ttl_ms: int) -> bool:
-        key = self._key("busy", group, event_id)
-        return bool(await _guard(lambda: self.client.set(key, owner, nx=True, px=ttl_ms)))
+        keys = [self._key("busy", group, event_id), self._key("done", group, event_id)]
+        return bool(await _guard(lambda: self._claim(keys=keys, args=[owner, ttl_ms])))
 
     async def unclaim(self, group: str, event_id: uuid.UUID, owner: str) -> None:
         key = self._key("busy", group, event_id)

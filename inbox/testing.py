@@ -97,6 +97,8 @@ class InMemoryDedupStore:
 
     async def claim(self, group: str, event_id: uuid.UUID, owner: str, ttl_ms: int) -> bool:
         self._check()
+        if self._data.get(f"done:{group}:{event_id}") is not None:
+            return False  # as the Redis store: a done event is not claimed
         return self._data.set(f"busy:{group}:{event_id}", owner, ttl_ms / 1000, nx=True)
 
     async def unclaim(self, group: str, event_id: uuid.UUID, owner: str) -> None:

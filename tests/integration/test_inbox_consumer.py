@@ -457,3 +457,89 @@ async def test_batch_applies_once_in_order_and_falls_back_one_by_one_on_error(
     # The batch ran b1, b2, boom (rolled back), then one by one: b1, b2, boom (permanent: one
     # attempt, dead-lettered), b4; b6 after the poison record.
     assert order == ["b1", "b2", "boom", "b1", "b2", "boom", "b4", "b6"]
+
+
+async def test_replayed_dead_letter_takes_over_its_failed_row_batched_and_alone(
+    database_url: str, engine: Engine, kafka_bootstrap: str
+) -> None:
+    from inbox import InboxStatus
+    from inbox.testing import InMemoryDeadLetterPublisher
+
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=["orders"],
+            database_url=database_url,
+            kafka_bootstrap_servers=kafka_bootstrap,
+            max_attempts=1,
+        ),
+        dead_letters=InMemoryDeadLetterPublisher(),
+    )
+    failing = {"r1", "r2"}
+
+    @consumer.handler("OrderPlaced")
+    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        if event.payload["order_id"] in failing:
+            raise ValueError("permanent until fixed")
+        await ctx.session.execute(
+            sa.insert(payments).values(
+                consumer_group=group,
+                order_id=event.payload["order_id"],
+                amount=Decimal(event.payload["amount"]),
+                handler="async",
+            )
+        )
+
+    r1, r2, ok = (order_event("orders", o) for o in ("r1", "r2", "ok"))
+    records = [record_for(e, offset=i) for i, e in enumerate([r1, r2, ok])]
+    inbox_rows = sa.text(
+        "SELECT event_id, status, attempts, last_error IS NULL FROM inbox"
+        ' WHERE consumer_group = :g ORDER BY "offset"'
+    )
+    try:
+        first = await consumer.process_batch(records)
+        with engine.connect() as conn:
+            parked = conn.execute(inbox_rows, {"g": group}).all()
+        failing.clear()  # the bug is fixed: the dead-lettered events are replayed
+        replay_batch = await consumer.process_batch([records[0], records[2]])
+        replay_alone = await consumer.process_record(records[1])
+        again = await consumer.process_batch(records)
+    finally:
+        await consumer.aclose()
+    assert first == [Outcome.DEAD_LETTERED, Outcome.DEAD_LETTERED, Outcome.APPLIED]
+    assert [(r[1], r[3]) for r in parked] == [(InboxStatus.FAILED, False)] * 2 + [
+        (InboxStatus.DONE, True)
+    ]
+    assert replay_batch == [Outcome.APPLIED, Outcome.DUPLICATE]
+    assert replay_alone is Outcome.APPLIED
+    assert again == [Outcome.DUPLICATE] * 3
+    with engine.connect() as conn:
+        final = conn.execute(inbox_rows, {"g": group}).all()
+    assert [(r[0], r[1], r[2], r[3]) for r in final] == [
+        (r1.event_id, InboxStatus.DONE, 2, True),
+        (r2.event_id, InboxStatus.DONE, 2, True),
+        (ok.event_id, InboxStatus.DONE, 1, True),
+    ]
+    assert sorted(r[0] for r in payment_rows(engine, group)) == ["ok", "r1", "r2"]
+
+
+async def test_redis_dedup_store_claims_once_refuses_done_events_and_expires(
+    redis_client: Any, redis_prefix: str
+) -> None:
+    from inbox import RedisDedupStore
+
+    store = RedisDedupStore(redis_client, redis_prefix)
+    event = uuid.uuid4()
+    assert await store.claim("g", event, "w1", ttl_ms=60_000)
+    assert not await store.claim("g", event, "w2", ttl_ms=60_000)
+    await store.unclaim("g", event, "w2")  # not the owner: no effect
+    assert not await store.claim("g", event, "w2", ttl_ms=60_000)
+    await store.unclaim("g", event, "w1")
+    assert await store.claim("g", event, "w2", ttl_ms=50)
+    await poll(lambda: store.claim("g", event, "w3", ttl_ms=60_000), "w2's marker to expire (C11)")
+    await store.mark_done("g", event, ttl_s=60)
+    await store.unclaim("g", event, "w3")
+    assert await store.is_done("g", event) and not await store.is_done("other", event)
+    assert not await store.claim("g", event, "w4", ttl_ms=60_000)  # done: refused at once
+    assert await store.claim("other", event, "w4", ttl_ms=60_000)  # groups stay apart

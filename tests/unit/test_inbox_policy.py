@@ -148,6 +148,21 @@ def test_inbox_state_transitions() -> None:
     }  # DONE is final
 
 
+def test_store_sql_encodes_the_same_transitions() -> None:
+    from inbox._store import CLAIM, CLAIM_MANY, FAIL
+
+    # The SQL embeds the status numbers: a claim takes over only a FAILED row, a failure
+    # never overwrites a DONE one.
+    assert (int(InboxStatus.DONE), int(InboxStatus.FAILED)) == (1, 2)
+    for claim in (CLAIM, CLAIM_MANY):
+        assert "WHERE t.status = 2" in claim
+        assert "status = 1," in claim
+    assert "WHERE t.status <> 1" in FAIL
+    assert check_transition(InboxStatus.FAILED, InboxStatus.DONE)
+    assert not check_transition(InboxStatus.DONE, InboxStatus.DONE)
+    assert not check_transition(InboxStatus.DONE, InboxStatus.FAILED)
+
+
 def test_config_defaults_and_validation() -> None:
     config = ConsumerConfig(
         group_id="g",

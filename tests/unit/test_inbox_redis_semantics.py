@@ -37,6 +37,9 @@ async def test_dedup_done_key_expires_and_claim_is_exclusive_with_ttl() -> None:
     assert await store.claim("g", event, "w2", ttl_ms=2000)
     await store.unclaim("g", event, "w2")
     assert await store.claim("g", event, "w3", ttl_ms=2000)
+    await store.unclaim("g", event, "w3")
+    await store.mark_done("g", event, ttl_s=10)
+    assert not await store.claim("g", event, "w4", ttl_ms=2000)  # done: nothing to claim
 
 
 async def test_lock_c09_semantics_and_growing_fencing_tokens() -> None:

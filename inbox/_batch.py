@@ -1,0 +1,158 @@
+"""Several records of one partition in one transaction.
+
+Runs of up to ``batch_max_records`` parseable records whose handlers are of one kind (async
+or sync) are applied in ONE transaction: one inbox insert for all of them, the handlers of the
+newly inserted events in offset order, one commit. Any error rolls the whole run back and its
+records go through the per-message path (:mod:`inbox._message`) one by one, with its retries
+and dead-lettering, so the guarantees are those of one message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from inbox._context import HandlerContext
+from inbox._handlers import Registered
+from inbox._message import MessagePipeline
+from inbox._policy import Outcome
+from inbox._record import Parsed, Record, parse_record
+from outbox import EventEnvelope
+
+if TYPE_CHECKING:
+    from inbox._consumer import InboxConsumer
+
+__all__ = ["BatchPipeline"]
+
+_log = logging.getLogger("inbox")
+
+
+class BatchPipeline:
+    """The batched path of one :class:`inbox.InboxConsumer`."""
+
+    def __init__(self, consumer: InboxConsumer, messages: MessagePipeline) -> None:
+        self.consumer = consumer
+        self.messages = messages
+        self.metrics = consumer._metrics
+
+    async def process(
+        self, records: Sequence[Record], abandon: Callable[[], bool]
+    ) -> list[Outcome]:
+        """Run the pipeline for consecutive records of ONE partition, in order.
+
+        Returns one outcome per record, in order; it stops after the first ``ABANDONED``.
+        """
+        # Each record is parsed once, here; the per-message path reuses the result.
+        parsed = [parse_record(record) for record in records]
+        outcomes: list[Outcome] = []
+        i = 0
+        while i < len(records):
+            if abandon():  # revoked or stopping: the rest is the next owner's
+                outcomes.append(Outcome.ABANDONED)
+                return outcomes
+            j, registered = self._batchable_run(parsed, i)
+            run: list[Outcome] | None = None
+            if j - i >= 2 and registered is not None:
+                events = [p for p in parsed[i:j] if isinstance(p, EventEnvelope)]
+                run = await self._apply(records[i:j], events, registered)
+            if run is not None:
+                outcomes.extend(run)
+                i = j
+                continue
+            for k in range(i, max(j, i + 1)):
+                if abandon():
+                    outcomes.append(Outcome.ABANDONED)
+                    return outcomes
+                outcome = await self.messages.process(records[k], abandon, parsed[k])
+                outcomes.append(outcome)
+                if outcome is Outcome.ABANDONED:
+                    return outcomes
+            i = max(j, i + 1)
+        return outcomes
+
+    def _batchable_run(self, parsed: Sequence[Parsed], start: int) -> tuple[int, Registered | None]:
+        # The end of the run of events starting at ``start`` that may share a transaction.
+        c = self.consumer
+        limit = 1 if c.lock is not None else c.config.batch_max_records
+        kind: Registered | None = None
+        end = start
+        while end < len(parsed) and end - start < limit:
+            event = parsed[end]
+            if not isinstance(event, EventEnvelope):
+                break
+            registered = c._handlers.get(event.event_type)
+            if registered is None or (kind is not None and registered.is_async != kind.is_async):
+                break
+            kind = kind or registered
+            end += 1
+        return end, kind
+
+    async def _apply(
+        self, records: Sequence[Record], events: list[EventEnvelope], kind: Registered
+    ) -> list[Outcome] | None:
+        c = self.consumer
+        group, dedup, metrics = c.group_id, c.dedup, self.metrics
+        ids = [e.event_id for e in events]
+        done: set[uuid.UUID] = set()
+        if dedup is not None:
+            done = await c.gate.call(lambda: dedup.done_among(group, ids), set())
+        outcomes: list[Outcome] = [Outcome.DUPLICATE] * len(events)
+        todo: list[tuple[int, EventEnvelope, Record]] = []
+        seen: set[uuid.UUID] = set()
+        for k, (record, event) in enumerate(zip(records, events, strict=True)):
+            if event.event_id in done:
+                metrics.duplicates_redis.inc()
+            elif event.event_id in seen:
+                metrics.duplicates_db.inc()  # a second copy within this batch
+            else:
+                seen.add(event.event_id)
+                todo.append((k, event, record))
+        if not todo:
+            return outcomes
+        tx = c._open_tx(kind.is_async)
+        started = time.perf_counter()
+        try:
+            claimed = await c.store.claim_many(
+                tx, [(e.event_id, e.event_type, r) for _k, e, r in todo]
+            )
+            for k, event, record in todo:
+                if event.event_id not in claimed:
+                    continue
+                ctx: HandlerContext[Any] = HandlerContext(
+                    session=tx.session,
+                    group_id=group,
+                    attempt=1,
+                    topic=record.topic,
+                    partition=record.partition,
+                    offset=record.offset,
+                )
+                if c.hooks.after_begin is not None:
+                    await c.hooks.after_begin(ctx)
+                await tx.call(c._handlers[event.event_type].fn, ctx, event)
+                outcomes[k] = Outcome.APPLIED
+            await tx.commit()
+        except Exception as exc:
+            _log.info(
+                "batch of %d records rolled back, reprocessing one by one: %r", len(todo), exc
+            )
+            return None
+        finally:
+            await tx.close()
+        elapsed_s = time.perf_counter() - started
+        applied = [events[k].event_id for k, _e, _r in todo if outcomes[k] is Outcome.APPLIED]
+        for _ in applied:
+            metrics.handler_duration.observe(elapsed_s / len(todo))
+        metrics.processed.inc(len(applied))
+        metrics.duplicates_db.inc(len(todo) - len(applied))
+        if applied:
+            await self.messages.stall_if_asked(applied[0])
+        if c.hooks.after_commit is not None:
+            for record, outcome in zip(records, outcomes, strict=True):
+                await c.hooks.after_commit(record, outcome)
+        if dedup is not None:
+            ttl_s = c.config.dedup_ttl_s
+            await c.gate.call(lambda: dedup.mark_done_many(group, ids, ttl_s), None)
+        return outcomes

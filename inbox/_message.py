@@ -1,0 +1,278 @@
+"""One message through the inbox, in its own transaction (DESIGN.md section 4).
+
+Steps for one record:
+
+1. parse the envelope (failure: dead-letter at once);
+2. Redis fast path, a hint only (Redis down: skipped): with the "in progress" marker on (the
+   default), claim it; the Redis store refuses a done event in the same call, and a refused
+   claim then asks the "done" key (duplicate) or waits for the other claimant at most the
+   marker's TTL. Without the marker: ask the "done" key;
+3. optional per-aggregate lock (fencing token);
+4. ONE database transaction: insert the inbox row (conflict: duplicate, skip the handler),
+   run the handler with the session, commit;
+5. only then: release the lock, "done" in Redis (our marker is then left to expire, else it
+   is deleted); the caller marks the offset committable.
+
+Transient failures rerun the whole transaction with backoff; permanent ones and exhausted
+retries are parked (:mod:`inbox._deadletter`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from inbox._context import HandlerContext
+from inbox._errors import FencedWriteError, LockBusyError, VersionConflictError
+from inbox._handlers import Registered
+from inbox._policy import ErrorClass, Outcome, classify, should_retry
+from inbox._record import Abandon, Parsed, Record, parse_record, sleep_unless_abandoned
+from inbox._redis import LockLease, new_token
+from outbox import EnvelopeParseError, EventEnvelope
+
+if TYPE_CHECKING:
+    from inbox._consumer import InboxConsumer
+
+__all__ = ["STALL_AFTER_COMMIT_ENV", "MessagePipeline"]
+
+_log = logging.getLogger("inbox")
+
+#: Test-only: when set to a file path, the consumer creates that file right after a handler's
+#: database commit and then stalls before anything else (Redis "done", offset commit), so a
+#: test can kill it exactly between the DB commit and the offset commit.
+STALL_AFTER_COMMIT_ENV = "LEDGERBOX_INBOX_TEST_STALL_AFTER_COMMIT"
+
+
+class MessagePipeline:
+    """The per-message path of one :class:`inbox.InboxConsumer`."""
+
+    def __init__(self, consumer: InboxConsumer) -> None:
+        self.consumer = consumer
+        self.metrics = consumer._metrics
+        self._stall_path = os.environ.get(STALL_AFTER_COMMIT_ENV) or None
+
+    async def process(
+        self, record: Record, abandon: Callable[[], bool], parsed: Parsed | None = None
+    ) -> Outcome:
+        """Run the whole pipeline for one record, except the Kafka offset commit.
+
+        ``parsed`` is the record's :func:`inbox._record.parse_record` result when the caller
+        already has it. Returns the record's :class:`inbox.Outcome`.
+        """
+        c = self.consumer
+        if parsed is None:
+            parsed = parse_record(record)
+        if isinstance(parsed, EnvelopeParseError):
+            return await c._parker.park(record, None, parsed, 1, abandon)
+        event = parsed
+        registered = c._handlers.get(event.event_type)
+        if registered is None:
+            _log.debug("no handler for %s, event %s ignored", event.event_type, event.event_id)
+            return Outcome.IGNORED
+        owner: str | None = None
+        marked_done = False
+        try:
+            if c.dedup is not None:
+                hint = await self._redis_fast_path(event, abandon)
+                if hint is Outcome.DUPLICATE:
+                    return Outcome.DUPLICATE
+                owner = hint if isinstance(hint, str) else None
+            outcome = await self._with_retries(registered, event, record, abandon)
+            if outcome is Outcome.APPLIED or outcome is Outcome.DUPLICATE:
+                marked_done = await self.after_commit(record, event, outcome)
+            return outcome
+        except Abandon:
+            return Outcome.ABANDONED
+        finally:
+            # Once "done" is recorded our marker is moot (a claimant refused by it asks
+            # is_done and stops); otherwise it must go, so that nobody waits for its TTL.
+            dedup = c.dedup
+            if owner is not None and not marked_done and dedup is not None:
+                group, event_id, mine = c.group_id, event.event_id, owner
+                await c.gate.call(lambda: dedup.unclaim(group, event_id, mine), None)
+
+    async def _redis_fast_path(
+        self, event: EventEnvelope, abandon: Callable[[], bool]
+    ) -> str | Outcome | None:
+        # Steps 2 and 3: DUPLICATE if a "done" key says so, else our "in progress" marker's
+        # owner token (None: no marker). The marker only saves a concurrent worker a blocked
+        # transaction; after its TTL (or our wait) the database decides, so a crashed
+        # claimant never hides an event (C11). The claim comes first: the Redis store
+        # refuses a done event in the same round trip, so a new event costs one Redis call.
+        c = self.consumer
+        dedup, ttl_ms = c.dedup, c.config.in_progress_ttl_ms
+        assert dedup is not None
+        group, event_id = c.group_id, event.event_id
+        if ttl_ms is None:
+            if await c.gate.call(lambda: dedup.is_done(group, event_id), False):
+                self.metrics.duplicates_redis.inc()
+                return Outcome.DUPLICATE
+            return None
+        owner = new_token()
+        deadline = time.monotonic() + ttl_ms / 1000
+        delay_s = 0.01
+        while True:
+            if await c.gate.call(lambda: dedup.claim(group, event_id, owner, ttl_ms), True):
+                return owner
+            if await c.gate.call(lambda: dedup.is_done(group, event_id), False):
+                self.metrics.duplicates_redis.inc()
+                return Outcome.DUPLICATE
+            if abandon():
+                raise Abandon()
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 0.2)
+
+    async def _with_retries(
+        self,
+        registered: Registered,
+        event: EventEnvelope,
+        record: Record,
+        abandon: Callable[[], bool],
+    ) -> Outcome:
+        c = self.consumer
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await self._attempt(registered, event, record, attempt, abandon)
+            except Abandon:
+                raise
+            except Exception as exc:
+                kind = classify(exc, inbox_constraint=c.store.pk_constraint)
+                if kind is ErrorClass.DUPLICATE:
+                    self.metrics.duplicates_db.inc()
+                    return Outcome.DUPLICATE
+                if not should_retry(kind, attempt, c.config.max_attempts):
+                    return await c._parker.park(record, event, exc, attempt, abandon)
+                self.metrics.retries.inc()
+                if isinstance(exc, VersionConflictError | FencedWriteError):
+                    self.metrics.conflicts.inc()
+                _log.warning(
+                    "event %s (%s, key %s) attempt %d failed (%s), retrying: %r",
+                    event.event_id,
+                    event.event_type,
+                    event.partition_key,
+                    attempt,
+                    kind.value,
+                    exc,
+                )
+                delay_s = c.config.backoff.delay_s(min(attempt, 30))
+                await sleep_unless_abandoned(delay_s, abandon)
+
+    async def _attempt(
+        self,
+        registered: Registered,
+        event: EventEnvelope,
+        record: Record,
+        attempt: int,
+        abandon: Callable[[], bool],
+    ) -> Outcome:
+        c = self.consumer
+        lease = await self._acquire_lock(event, abandon)
+        renewer: asyncio.Task[None] | None = None
+        try:
+            tx = c._open_tx(registered.is_async)
+            ctx: HandlerContext[Any] = HandlerContext(
+                session=tx.session,
+                group_id=c.group_id,
+                attempt=attempt,
+                topic=record.topic,
+                partition=record.partition,
+                offset=record.offset,
+                fencing_token=lease.fencing_token if lease else None,
+            )
+            if lease is not None:
+                renewer = asyncio.create_task(self._renew(lease, ctx))
+            started = time.perf_counter()
+            try:
+                if c.hooks.after_begin is not None:
+                    await c.hooks.after_begin(ctx)
+                claimed = await c.store.claim(tx, event.event_id, event.event_type, record)
+                if claimed:
+                    await tx.call(registered.fn, ctx, event)
+                    await tx.commit()
+            finally:
+                await tx.close()
+            self.metrics.handler_duration.observe(time.perf_counter() - started)
+        finally:
+            if renewer is not None:
+                renewer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renewer
+            if lease is not None and c.lock is not None:
+                lock = c.lock
+                await c.gate.call(lambda: lock.release(lease), False)
+        if claimed:
+            self.metrics.processed.inc()
+            return Outcome.APPLIED
+        self.metrics.duplicates_db.inc()
+        return Outcome.DUPLICATE
+
+    async def stall_if_asked(self, event_id: uuid.UUID) -> None:
+        """Test-only crash point after a database commit (see ``STALL_AFTER_COMMIT_ENV``)."""
+        if self._stall_path is not None:
+            path, line = self._stall_path, f"{event_id}\n"
+            await asyncio.to_thread(lambda: open(path, "a").write(line))  # noqa: SIM115
+            await asyncio.Event().wait()  # until the test kills this process
+
+    async def after_commit(self, record: Record, event: EventEnvelope, outcome: Outcome) -> bool:
+        """Step 5 for one event whose effect is committed (``APPLIED``, or ``DUPLICATE``
+        found by the database): the hook, then "done" in Redis. True if "done" was recorded.
+        """
+        c = self.consumer
+        if outcome is Outcome.APPLIED:
+            await self.stall_if_asked(event.event_id)
+        if c.hooks.after_commit is not None:
+            await c.hooks.after_commit(record, outcome)
+        dedup = c.dedup
+        if dedup is None:
+            return False
+        group, event_id, ttl_s = c.group_id, event.event_id, c.config.dedup_ttl_s
+
+        async def mark() -> bool:
+            await dedup.mark_done(group, event_id, ttl_s)
+            return True
+
+        return await c.gate.call(mark, False)
+
+    async def _acquire_lock(
+        self, event: EventEnvelope, abandon: Callable[[], bool]
+    ) -> LockLease | None:
+        c = self.consumer
+        lock = c.lock
+        if lock is None:
+            return None
+        name = f"{c.group_id}:{event.aggregate_type}:{event.aggregate_id}"
+        ttl_ms = c.config.lock_ttl_ms
+        deadline = time.monotonic() + c.config.effective_lock_wait_ms / 1000
+        delay_s = 0.005
+        while True:
+            if not c.gate.usable():
+                return None
+            lease = await c.gate.call(lambda: lock.acquire(name, ttl_ms), None)
+            if lease is not None or c.gate.degraded:
+                return lease
+            if time.monotonic() >= deadline:
+                raise LockBusyError(f"aggregate lock {name!r} stayed taken")
+            await sleep_unless_abandoned(delay_s, abandon)
+            delay_s = min(delay_s * 2, 0.1)
+
+    async def _renew(self, lease: LockLease, ctx: HandlerContext[Any]) -> None:
+        c = self.consumer
+        lock, ttl_ms = c.lock, c.config.lock_ttl_ms
+        assert lock is not None
+        while True:
+            await asyncio.sleep(ttl_ms / 3000)
+            owned = await c.gate.call(lambda: lock.renew(lease, ttl_ms), True)
+            if not owned:
+                ctx.lock_lost = True
+                _log.warning("aggregate lock %s lost while its handler ran", lease.name)
+                return
