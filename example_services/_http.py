@@ -11,9 +11,11 @@ Status codes of the write endpoints (documented in each API):
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import sqlalchemy as sa
 from fastapi import FastAPI, HTTPException, Request, Response
@@ -25,7 +27,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from example_services._config import prepare_database
 
 __all__ = ["IDEMPOTENCY_KEY_RULE", "install_health_and_metrics", "validate_idempotency_key"]
 
@@ -113,3 +117,40 @@ def install_health_and_metrics(
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return registry
+
+
+def service_app(
+    title: str, database_url: Callable[[], str], metadata: sa.MetaData, migrate: bool
+) -> tuple[FastAPI, Callable[[], AsyncEngine]]:
+    """A FastAPI app whose lifespan prepares and connects the service database.
+
+    Returns the app (with ``/health`` and ``/metrics``) and ``engine()``, which gives the
+    connected ``AsyncEngine`` or answers 503 while the service is starting.
+    """
+    engines: list[AsyncEngine] = []
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        url = database_url()
+        if migrate:
+            await asyncio.to_thread(prepare_database, url, metadata)
+        engine = create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
+        engines.append(engine)
+        try:
+            yield
+        finally:
+            engines.clear()
+            await engine.dispose()
+
+    def current_engine() -> AsyncEngine | None:
+        return engines[0] if engines else None
+
+    def engine() -> AsyncEngine:
+        current = current_engine()
+        if current is None:
+            raise HTTPException(status_code=503, detail="starting")
+        return current
+
+    app = FastAPI(title=title, lifespan=lifespan)
+    install_health_and_metrics(app, title, current_engine)
+    return app, engine

@@ -15,21 +15,17 @@ Run: ``uvicorn --factory example_services.orders.api:create_app``.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from decimal import Decimal
 from typing import Annotated, Any
 
 import sqlalchemy as sa
 from fastapi import FastAPI, Header, HTTPException, Response
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from example_services._config import ServiceSettings, prepare_database
-from example_services._http import install_health_and_metrics, validate_idempotency_key
+from example_services._config import ServiceSettings
+from example_services._http import service_app, validate_idempotency_key
 from example_services.orders._models import OrderStatus, metadata, order_events_applied, orders
 from outbox import OutboxWriter, TopicRouter, idempotency_key
 
@@ -72,32 +68,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     """Build the app; the database is prepared (if enabled) and connected at startup."""
     cfg = settings or ServiceSettings()
     writer = order_writer(cfg)
-    engines: list[AsyncEngine] = []
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        url = cfg.order_db_url()
-        if cfg.migrate_on_start:
-            await asyncio.to_thread(prepare_database, url, metadata)
-        engine = create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
-        engines.append(engine)
-        try:
-            yield
-        finally:
-            engines.clear()
-            await engine.dispose()
-
-    def current_engine() -> AsyncEngine | None:
-        return engines[0] if engines else None
-
-    def engine() -> AsyncEngine:
-        current = current_engine()
-        if current is None:
-            raise HTTPException(status_code=503, detail="starting")
-        return current
-
-    app = FastAPI(title="order-service", lifespan=lifespan)
-    install_health_and_metrics(app, "order-service", current_engine)
+    app, engine = service_app("order-service", cfg.order_db_url, metadata, cfg.migrate_on_start)
 
     @app.post(
         "/orders",

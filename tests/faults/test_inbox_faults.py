@@ -9,16 +9,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer
 from redis.asyncio import Redis
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -40,6 +38,7 @@ from inbox._consumer import ConsumerHooks
 from inbox._metrics import CONFLICTS, DUPLICATES, REDIS_DEGRADED, RETRIES
 from inbox.testing import kafka_parts, record_for
 from outbox import EventEnvelope, OutboxWriter, TopicRouter
+from tests._inbox_support import committed, order_event, poll, produce
 
 REPO = Path(__file__).resolve().parents[2]
 metadata = sa.MetaData()
@@ -64,50 +63,6 @@ accounts = sa.Table(
 @pytest.fixture(scope="module", autouse=True)
 def _tables(engine: Engine) -> None:
     metadata.create_all(engine)
-
-
-def order_event(
-    topic: str, order_id: str, amount: str = "100.00", kind: str = "OrderPlaced"
-) -> EventEnvelope:
-    writer = OutboxWriter(TopicRouter(default=topic), source="/order-service")
-    return writer.event(
-        event_type=kind,
-        aggregate_type="order",
-        aggregate_id=order_id,
-        payload={"order_id": order_id, "amount": amount},
-        idempotency_key=f"order:{order_id}:{uuid.uuid4()}",
-    )
-
-
-async def produce(bootstrap: str, topic: str, items: list[Any], partition: int = 0) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
-    await producer.start()
-    try:
-        for item in items:
-            key, value, headers = kafka_parts(item) if isinstance(item, EventEnvelope) else item
-            await producer.send_and_wait(
-                topic, value=value, key=key, headers=headers, partition=partition
-            )
-    finally:
-        await producer.stop()
-
-
-async def committed(bootstrap: str, group: str, topic: str, partition: int = 0) -> int | None:
-    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
-    await probe.start()
-    try:
-        offset = await probe.committed(TopicPartition(topic, partition))
-        return None if offset is None else int(offset)
-    finally:
-        await probe.stop()
-
-
-async def poll(check: Callable[[], Awaitable[bool]], what: str, within_s: float = 60) -> None:
-    deadline = time.monotonic() + within_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def paid(engine: Engine, group: str) -> list[tuple[str, Decimal]]:

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from decimal import Decimal
@@ -17,15 +16,15 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import sqlalchemy as sa
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
 from inbox._metrics import DUPLICATES, PROCESSED
-from inbox.testing import kafka_parts, record_for
+from inbox.testing import record_for
 from outbox import EventEnvelope, OutboxTable, OutboxWriter, TopicRouter
+from tests._inbox_support import committed, order_event, poll, produce
 
 REPO = Path(__file__).resolve().parents[2]
 metadata = sa.MetaData()
@@ -43,52 +42,6 @@ payments = sa.Table(
 @pytest.fixture(scope="module", autouse=True)
 def _tables(engine: Engine) -> None:
     metadata.create_all(engine)
-
-
-def order_event(
-    topic: str, order_id: str, amount: str = "100.00", kind: str = "OrderPlaced"
-) -> EventEnvelope:
-    writer = OutboxWriter(TopicRouter(default=topic), source="/order-service")
-    return writer.event(
-        event_type=kind,
-        aggregate_type="order",
-        aggregate_id=order_id,
-        payload={"order_id": order_id, "amount": amount},
-        idempotency_key=f"order:{order_id}:{kind}:{uuid.uuid4()}",
-    )
-
-
-async def produce(
-    bootstrap: str, topic: str, events: list[EventEnvelope], partition: int = 0
-) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
-    await producer.start()
-    try:
-        for event in events:
-            key, value, headers = kafka_parts(event)
-            await producer.send_and_wait(
-                topic, value=value, key=key, headers=headers, partition=partition
-            )
-    finally:
-        await producer.stop()
-
-
-async def committed(bootstrap: str, group: str, topic: str, partition: int = 0) -> int | None:
-    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
-    await probe.start()
-    try:
-        offset = await probe.committed(TopicPartition(topic, partition))
-        return None if offset is None else int(offset)
-    finally:
-        await probe.stop()
-
-
-async def poll(check: Callable[[], Awaitable[bool]], what: str, within_s: float = 60) -> None:
-    deadline = time.monotonic() + within_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def payment_rows(engine: Engine, group: str) -> list[tuple[str, Decimal, str]]:
