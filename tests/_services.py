@@ -301,22 +301,6 @@ def drop_database(server_url: URL, name: str) -> None:
         engine.dispose()
 
 
-def load_upgrade_database() -> Callable[[str], None] | None:
-    """`migrations.upgrade_database(url)` if the package provides it yet.
-
-    Only a missing `migrations` module or attribute means "not written yet"; an ImportError
-    raised from inside the migrations package is a real bug and propagates.
-    """
-    try:
-        import migrations
-    except ModuleNotFoundError as exc:
-        if exc.name == "migrations":
-            return None
-        raise
-    fn = getattr(migrations, "upgrade_database", None)
-    return fn if callable(fn) else None
-
-
 def postgres_version(raw_url: str, timeout: float = 3.0) -> str:
     engine = create_engine(
         normalize_database_url(raw_url),

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import os
 import uuid
-import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from redis.exceptions import RedisError
 from sqlalchemy import Engine, create_engine, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+import migrations
 from tests import _services
 from tests._services import (
     ENV_DATABASE_URL,
@@ -178,17 +178,7 @@ def template_database(database_server_url: str) -> Iterator[str]:
     name = _services.unique_db_name("ledgerbox_tpl_")
     _services.create_database(server, name)
     try:
-        upgrade_database = _services.load_upgrade_database()
-        if upgrade_database is None:
-            # TODO(lead): migrations/__init__.py must expose `upgrade_database(url: str) -> None`
-            # (Alembic `upgrade head` on that SQLAlchemy URL). Until then every test database
-            # is empty.
-            warnings.warn(
-                "migrations.upgrade_database not found: test databases are NOT migrated",
-                stacklevel=1,
-            )
-        else:
-            upgrade_database(_services.url_str(server.set(database=name)))
+        migrations.upgrade_database(_services.url_str(server.set(database=name)))
         _services.seal_template(server, name)
         yield name
     finally:
