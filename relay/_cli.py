@@ -57,7 +57,7 @@ class RelaySettings(BaseSettings):
     retention_s: float = 7 * 86400.0
     relay_id: str | None = None
     shard_count: int = 64
-    linger_ms: int = 5
+    linger_ms: int = 0
     metrics_port: int = 0
     log_level: str = "INFO"
 

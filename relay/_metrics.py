@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
+    "ACTIVE_LANES",
     "DEAD_EVENTS",
     "OLDEST_PENDING_AGE",
     "OWNED_SHARDS",
@@ -33,3 +34,7 @@ RETRIES = Counter(
 )
 DEAD_EVENTS = Counter("ledgerbox_relay_dead_events_total", "Events parked dead (status 2)")
 OWNED_SHARDS = Gauge("ledgerbox_relay_owned_shards", "Shards this relay holds a lease on")
+ACTIVE_LANES = Gauge(
+    "ledgerbox_relay_active_lanes",
+    "Claim -> publish -> mark pipelines running now (all while there is a backlog, else 1)",
+)

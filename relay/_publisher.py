@@ -110,7 +110,7 @@ class KafkaPublisher:
         bootstrap_servers: str,
         *,
         compression: str = "lz4",
-        linger_ms: int = 5,
+        linger_ms: int = 0,
         max_batch_bytes: int = 262_144,
         request_timeout_ms: int = 30_000,
     ) -> None:

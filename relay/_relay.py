@@ -42,7 +42,10 @@ its own claim and mark connections and its own prefetch / background mark, shari
 producer. Lane ``i`` claims only the usable shards with ``shard % lanes == i``: a shard maps
 to exactly one lane, so rows of one shard (and key) are handed to the producer by one
 pipeline, one batch after the other, in id order (G3 as above). The relay mostly waits on
-PostgreSQL and Kafka; lanes overlap those waits.
+PostgreSQL and Kafka; lanes overlap those waits. Lanes follow the load: one runs while the
+relay keeps up (lowest latency and database load), all of them while claims come back full;
+the count changes only between batches, after every running lane's batch is confirmed and
+marked, so ``shard % lanes`` never moves a shard with rows in flight.
 
 Why not a snapshot (xid) cursor: status marking is simpler, has no "cursor ahead of the
 database" failure mode after a restore from a dump, and its per-row write is batched into
@@ -103,6 +106,9 @@ log = logging.getLogger("relay")
 TEST_MARK_DELAY_ENV = "LEDGERBOX_RELAY_TEST_MARK_DELAY_MS"
 
 _RECREATE_PRODUCER_AFTER = 3
+#: With several lanes configured, the relay runs them all while claims come back full and
+#: goes back to one lane once no claim was full for this long (seconds).
+_SCALE_DOWN_AFTER_S = 2.0
 _STATS_INTERVAL_S = 5.0
 
 
@@ -225,6 +231,11 @@ class Relay:
         self._publish_failures = 0
         self._last_cleanup = -float("inf")
         self._mark_delay_s = int(os.environ.get(TEST_MARK_DELAY_ENV, "0") or 0) / 1000
+        # Adaptive lanes (run()): ``_active`` lanes run, shards split by ``shard % _active``.
+        self._active = 1
+        self._wanted = 1
+        self._regroup = asyncio.Event()
+        self._last_full = -float("inf")
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -275,6 +286,7 @@ class Relay:
         if not await self._ensure_producer():
             return 0
         total = 0
+        self._active = len(self._lanes)
         for lane in self._lanes:
             _, published = await self._publish_batch(lane)
             total += published
@@ -322,6 +334,12 @@ class Relay:
     def owned_shards(self) -> list[int]:
         """Data shards this relay may publish now (for tests and status)."""
         return self._book.usable(self._clock())
+
+    @property
+    def active_lanes(self) -> int:
+        """Pipelines running now in :meth:`run`: ``config.lanes`` while claims come back full
+        (a backlog), 1 once the relay keeps up (lowest latency and database load)."""
+        return self._active
 
     def is_leader(self) -> bool:
         """True while this relay holds the maintenance-leader lease."""
@@ -414,8 +432,12 @@ class Relay:
         self, lane: _Lane, exclude: list[int]
     ) -> tuple[list[ClaimedEvent], dict[int, int]]:
         """Claim the next batch of the lane's usable shards; returns it with the fences it
-        was claimed under."""
-        lanes = len(self._lanes)
+        was claimed under.
+
+        Clears the lane's wake flag first: a NOTIFY that arrives from here on sets it again,
+        so "flag set" means "a commit may have landed after the last claim began"."""
+        lane.wake.clear()
+        lanes = self._active
         shards = [s for s in self._book.usable(self._clock()) if s % lanes == lane.index]
         if not shards:
             return [], {}
@@ -459,8 +481,10 @@ class Relay:
         fences: dict[int, int] = {}
         if task is not None:
             events, fences = await task
-        if not events:
-            # Nothing prefetched (or it found nothing, maybe before a NOTIFY): claim afresh.
+        if not events and (task is None or lane.wake.is_set()):
+            # Nothing prefetched, or the prefetch found nothing and a NOTIFY came in since it
+            # began: claim afresh. (An empty prefetch without a NOTIFY since needs no second
+            # claim: at low load that halves the claims.)
             events, fences = await self._claim(lane, lane.marking_ids)
         if not events:
             await self._finish_marking(lane)
@@ -674,28 +698,65 @@ class Relay:
     # -- loops -----------------------------------------------------------------------------
 
     async def _main_loop(self) -> None:
-        """Run every lane's loop; the first unexpected error stops the others and is raised."""
-        if len(self._lanes) == 1:
-            await self._lane_loop(self._lanes[0])
+        """Run the active lanes until stopped. When the load asks for another lane count, the
+        lanes finish their batch (confirmed, marked, prefetch dropped) and stop, then the new
+        count starts: a shard moves to another lane only between batches, never with a batch
+        in flight (G3). The first unexpected error stops the other lanes and is raised."""
+        while not self._stopping.is_set():
+            self._active = self._wanted
+            m.ACTIVE_LANES.set(self._active)
+            self._regroup.clear()
+            lanes = self._lanes[: self._active]
+            tasks = [
+                asyncio.create_task(self._lane_loop(lane), name=f"relay-lane-{lane.index}")
+                for lane in lanes
+            ]
+            try:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            failed = [t for t in tasks if t.done() and t.exception() is not None]
+            if failed:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise failed[0].exception()  # type: ignore[misc]
+            if self._wanted != self._active and not self._stopping.is_set():
+                log.info(
+                    "lanes %d -> %d (%s)",
+                    self._active,
+                    self._wanted,
+                    "backlog" if self._wanted > self._active else "caught up",
+                )
+
+    def _adapt_lanes(self, claimed: int) -> None:
+        """Scale the lanes with the load: all of them while claims come back full (a
+        backlog), one once none was full for ``_SCALE_DOWN_AFTER_S`` (one pipeline has the
+        lowest latency and database load when the relay keeps up)."""
+        most = len(self._lanes)
+        if most == 1:
             return
-        tasks = [
-            asyncio.create_task(self._lane_loop(lane), name=f"relay-lane-{lane.index}")
-            for lane in self._lanes
-        ]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        finally:
-            for task in tasks:
-                task.cancel()
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
-                raise result
+        now = self._clock()
+        if claimed >= self.config.batch_size:
+            self._last_full = now
+            if self._active < most:
+                self._request_regroup(most)
+        elif self._active > 1 and now - self._last_full > _SCALE_DOWN_AFTER_S:
+            self._request_regroup(1)
+
+    def _request_regroup(self, lanes: int) -> None:
+        if self._regroup.is_set():
+            return
+        self._wanted = lanes
+        self._regroup.set()
+        self._wake_all()
 
     async def _lane_loop(self, lane: _Lane) -> None:
         attempt = 0
-        while not self._stopping.is_set():
-            lane.wake.clear()
+        while not self._stopping.is_set() and not self._regroup.is_set():
             try:
                 if not await self._ensure_producer():
                     await self._sleep(self._backoff.delay_s(self._publish_failures))
@@ -708,10 +769,16 @@ class Relay:
                 log.warning("database error: %s", exc, extra={"attempt": attempt})
                 await self._sleep(self._backoff.delay_s(attempt))
                 continue
+            self._adapt_lanes(claimed)
             if claimed:
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(lane.wake.wait(), self.config.poll_interval_s)
+        if not self._stopping.is_set():
+            # Regrouping: nothing of this lane may be in flight when its shards move (on stop,
+            # close() does the same).
+            await self._drop_prefetch(lane)
+            await self._finish_marking(lane)
 
     async def _heartbeat_loop(self) -> None:
         attempt = 0

@@ -13,7 +13,7 @@ from outbox import shard_of
 from relay import Relay
 from relay.testing import InMemoryPublisher
 from tests import _relay_support as rs
-from tests._services import TopicFactory
+from tests._services import TopicFactory, poll_until
 
 LANES = 4
 KEYS = 64
@@ -94,3 +94,56 @@ async def test_run_once_runs_one_batch_per_lane(engine: Engine, database_url: st
     for record in publisher.records:
         seen.setdefault(record.key, []).append(json.loads(record.value)["seq"])
     assert seen == {b"k0": [0, 3, 6, 9], b"k1": [1, 4, 7], b"k2": [2, 5, 8]}
+
+
+async def test_lanes_follow_the_load_and_keep_key_order(engine: Engine, database_url: str) -> None:
+    """One lane while the relay keeps up; every lane while claims come back full (a
+    backlog); back to one once caught up. Shards move between lanes only between batches, so
+    every key still comes out in order, each event once (in-memory broker: no failures)."""
+    rs.reset_relay_tables(engine)
+    writer = rs.writer_for("relay-lanes-adaptive")
+    publisher = InMemoryPublisher()
+    relay = Relay(
+        rs.config(database_url, "unused:9092", batch_size=20, lanes=LANES), publisher=publisher
+    )
+    seen_lanes: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            if not seen_lanes or seen_lanes[-1] != relay.active_lanes:
+                seen_lanes.append(relay.active_lanes)
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
+    task = asyncio.create_task(relay.run())
+    try:
+        # A trickle first: single events, the relay keeps up with one lane.
+        for seq in range(1, 4):
+            rs.stage(engine, writer, [rs.event(writer, "trickle", seq)])
+            await asyncio.sleep(0.2)
+        assert relay.active_lanes == 1
+        # Then a backlog: 64 keys x 25 events committed at once.
+        keys = [f"burst-{i}" for i in range(KEYS)]
+        rs.stage(engine, writer, [rs.event(writer, k, s) for s in range(1, 26) for k in keys])
+
+        async def drained() -> bool:
+            return rs.pending_count(engine) == 0
+
+        async def one_lane() -> bool:
+            return relay.active_lanes == 1
+
+        await poll_until(drained, within=60, what="backlog published")
+        await poll_until(one_lane, within=30, what="back to one lane")
+    finally:
+        relay.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 60)
+        watcher.cancel()
+    assert seen_lanes[:3] == [1, LANES, 1], seen_lanes
+    by_key: dict[bytes, list[int]] = {}
+    for record in publisher.records:
+        by_key.setdefault(record.key, []).append(json.loads(record.value)["seq"])
+    assert by_key.pop(b"trickle") == [1, 2, 3]
+    assert len(by_key) == KEYS
+    for key, seqs in by_key.items():
+        assert seqs == list(range(1, 26)), key
