@@ -15,7 +15,6 @@ from typing import Any
 
 import sqlalchemy as sa
 from pydantic import BaseModel, ValidationError
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -97,6 +96,7 @@ class OutboxWriter:
         self.source = source
         self.table = table if table is not None else OutboxTable()
         self.max_payload_bytes = max_payload_bytes
+        self._insert_once_sql = _insert_once_statement(self.table.table, self.table.qualified_name)
 
     # -- building events ------------------------------------------------------------------
 
@@ -229,7 +229,7 @@ class OutboxWriter:
             The payload exceeds ``max_payload_bytes``; nothing is written.
         """
         row = self._row(event)
-        result = target.execute(self._insert_once(row))
+        result = target.execute(self._insert_once_sql, row)
         if result.first() is not None:
             return Staged(created=True, event=event)
         existing = target.execute(self._select_by_key(event.idempotency_key)).mappings().one()
@@ -240,7 +240,7 @@ class OutboxWriter:
     ) -> Staged:
         """The ``async`` form of :meth:`stage_once` for ``AsyncSession`` / ``AsyncConnection``."""
         row = self._row(event)
-        result = await target.execute(self._insert_once(row))
+        result = await target.execute(self._insert_once_sql, row)
         if result.first() is not None:
             return Staged(created=True, event=event)
         existing = (await target.execute(self._select_by_key(event.idempotency_key))).mappings()
@@ -289,18 +289,43 @@ class OutboxWriter:
             "occurred_at": event.occurred_at,
         }
 
-    def _insert_once(self, row: dict[str, Any]) -> sa.Executable:
-        table = self.table.table
-        return (
-            pg_insert(table)
-            .values(**row)
-            .on_conflict_do_nothing(index_elements=[table.c.idempotency_key])
-            .returning(table.c.id)
-        )
-
     def _select_by_key(self, key: str) -> sa.Select[Any]:
         table = self.table.table
         return sa.select(table).where(table.c.idempotency_key == key)
+
+
+#: The columns a writer fills (the keys of ``OutboxWriter._row``); the others have defaults.
+_STAGED_COLUMNS = (
+    "event_id",
+    "idempotency_key",
+    "topic",
+    "partition_key",
+    "shard",
+    "event_type",
+    "source",
+    "aggregate_type",
+    "aggregate_id",
+    "aggregate_version",
+    "payload",
+    "headers",
+    "occurred_at",
+)
+
+
+def _insert_once_statement(table: sa.Table, qualified_name: str) -> sa.TextClause:
+    """``INSERT ... ON CONFLICT (idempotency_key) DO NOTHING RETURNING id`` as text SQL with
+    typed bind parameters (each column's own type, so JSON payloads and datetimes are bound
+    exactly as ``session.add`` binds them). SQLAlchemy never caches the compiled form of
+    ``postgresql.insert(...).on_conflict_do_nothing()`` (no cache key: ~0.2 ms of CPU per
+    call to recompile); a text statement is compiled once."""
+    columns = [table.c[name] for name in _STAGED_COLUMNS]
+    names = ", ".join(c.name for c in columns)
+    values = ", ".join(f":{c.name}" for c in columns)
+    statement = sa.text(  # names: validated identifiers (OutboxTable) and fixed column names
+        f"INSERT INTO {qualified_name} ({names}) VALUES ({values})"  # noqa: S608
+        " ON CONFLICT (idempotency_key) DO NOTHING RETURNING id"
+    )
+    return statement.bindparams(*(sa.bindparam(c.name, type_=c.type) for c in columns))
 
 
 def envelope_from_row(row: Mapping[Any, Any]) -> EventEnvelope:

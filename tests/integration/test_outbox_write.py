@@ -291,3 +291,44 @@ def test_async_stage_once_reports_duplicates(async_engine: AsyncEngine, engine: 
 
     assert asyncio.run(run()) == (True, False)
     assert _count(engine) == 1
+
+
+def test_stage_once_stores_what_stage_stores_and_is_compiled_once(engine: Engine) -> None:
+    """``stage_once`` binds every column like ``stage`` (JSON payload and headers, Decimal,
+    aware datetimes) and its statement is compiled once, not per call (it used to be
+    recompiled every time: SQLAlchemy has no cache key for ``on_conflict_do_nothing``)."""
+    from sqlalchemy.engine import default
+
+    cache: list[object] = []
+
+    def seen(conn, cursor, statement, params, context, executemany) -> None:  # type: ignore[no-untyped-def]
+        if "ON CONFLICT (idempotency_key)" in statement:
+            cache.append(context.cache_hit)
+
+    occurred = dt.datetime(2026, 11, 29, 10, 0, 0, 123456, tzinfo=dt.UTC)
+    payload = Money(
+        amount=Decimal("100.10"),
+        order_id=uuid.UUID("0a8f2c1e-5b7d-4e3f-9a21-7c6d5e4f3a2b"),
+        at=dt.datetime(2026, 11, 29, 23, 59, 59, 999999, tzinfo=dt.timezone(dt.timedelta(hours=5))),
+    )
+    sa.event.listen(engine, "after_cursor_execute", seen)
+    try:
+        for i, how in enumerate(("stage", "stage_once", "stage_once", "stage_once")):
+            event = WRITER.event(
+                event_type="PaymentRequested", aggregate_type="payment", aggregate_id=f"p{i}",
+                aggregate_version=i + 1, payload=payload, idempotency_key=f"same-row-{i}",
+                occurred_at=occurred, headers={"traceparent": f"00-{'a' * 32}-{'b' * 16}-01"},
+            )  # fmt: skip
+            with Session(engine) as session, session.begin():
+                getattr(WRITER, how)(session, event)
+            with engine.connect() as conn:
+                row = conn.execute(
+                    sa.select(TABLE.table).where(TABLE.table.c.event_id == event.event_id)
+                ).mappings().one()  # fmt: skip
+            assert envelope_from_row(row) == event, how
+            assert row["shard"] == shard_of(event.partition_key)
+            assert row["status"] == EventStatus.PENDING
+    finally:
+        sa.event.remove(engine, "after_cursor_execute", seen)
+    assert len(cache) == 3
+    assert cache[1:] == [default.CACHE_HIT, default.CACHE_HIT]
