@@ -128,6 +128,7 @@ class BatchPipeline:
                     topic=record.topic,
                     partition=record.partition,
                     offset=record.offset,
+                    timestamp_ms=getattr(record, "timestamp", None),
                 )
                 if c.hooks.after_begin is not None:
                     await c.hooks.after_begin(ctx)

@@ -30,6 +30,10 @@ class HandlerContext(Generic[S]):
         1 for the first attempt, 2 for the first retry, ...
     topic, partition, offset : str, int, int
         Where the record came from.
+    timestamp_ms : int | None
+        The Kafka record's timestamp, in ms since the epoch: the event time the relay set
+        (``occurred_at``), or the broker's append time on a topic with
+        ``message.timestamp.type=LogAppendTime``; ``None`` when the record has none.
     fencing_token : int | None
         Token of the per-aggregate lock held for this attempt (grows with every acquisition
         of that aggregate's lock); ``None`` when locking is off or Redis is unreachable.
@@ -43,5 +47,6 @@ class HandlerContext(Generic[S]):
     partition: int
     offset: int
     fencing_token: int | None = None
+    timestamp_ms: int | None = None
     lock_lost: bool = field(default=False)
     """True once a renewal found the lock taken by someone else (writes should be fenced)."""

@@ -187,6 +187,7 @@ class MessagePipeline:
                 topic=record.topic,
                 partition=record.partition,
                 offset=record.offset,
+                timestamp_ms=getattr(record, "timestamp", None),
                 fencing_token=lease.fencing_token if lease else None,
             )
             if lease is not None:
