@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from decimal import Decimal
@@ -129,6 +130,40 @@ async def test_same_event_delivered_five_times_applies_once(
     redis_dups = DUPLICATES.labels(group, "redis")._value.get()
     db_dups = DUPLICATES.labels(group, "db")._value.get() - before_db
     assert redis_dups + db_dups == 4  # whichever path caught them (Redis is shared, may blink)
+
+
+async def test_handler_sees_where_and_when_the_record_was_written(
+    database_url: str, kafka_bootstrap: str, new_topic: Any, running: Any
+) -> None:
+    """HandlerContext carries the record's topic, partition, offset and Kafka timestamp."""
+    topic = await new_topic.acreate("inbox-ctx", partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    before_ms = int(time.time() * 1000)
+    await produce(kafka_bootstrap, topic, [order_event(topic, "1"), order_event(topic, "2")])
+    after_ms = int(time.time() * 1000)
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=[topic],
+            database_url=database_url,
+            kafka_bootstrap_servers=kafka_bootstrap,
+        )
+    )
+    seen: list[tuple[str, int, int, int | None]] = []
+
+    @consumer.handler("OrderPlaced")
+    async def placed(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        seen.append((ctx.topic, ctx.partition, ctx.offset, ctx.timestamp_ms))
+
+    await running(consumer)
+
+    async def both() -> bool:
+        return len(seen) == 2
+
+    await poll(both, "both records handled")
+    assert [s[:3] for s in seen] == [(topic, 0, 0), (topic, 0, 1)]
+    for *_, stamp in seen:
+        assert stamp is not None and before_ms - 1000 <= stamp <= after_ms + 1000
 
 
 def app_from_env() -> InboxConsumer:
