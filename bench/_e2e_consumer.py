@@ -1,19 +1,24 @@
 """The consumer side of the end-to-end latency benchmark (run by ``python -m inbox run``).
 
-Its handler stamps ``clock_timestamp()`` (the machine's clock, read by PostgreSQL on the same
-host) as the last statement of the inbox transaction, just before the runner commits it.
+Its handler writes, in the inbox transaction, the record's broker append time (the topic uses
+``LogAppendTime``), the time the handler started, and ``clock_timestamp()`` as the last
+statement before the runner commits. All three come from this machine's clock.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import sqlalchemy as sa
 
 from inbox import ConsumerConfig, HandlerContext, InboxConsumer
 from outbox import EventEnvelope
 
-_APPLIED = sa.text("INSERT INTO e2e_applied (event_id, applied_at) VALUES (:id, clock_timestamp())")
+_APPLIED = sa.text(
+    "INSERT INTO e2e_applied (event_id, appended_at, handled_at, applied_at)"
+    " VALUES (:id, to_timestamp(:appended), to_timestamp(:handled), clock_timestamp())"
+)
 
 
 def make_consumer() -> InboxConsumer:
@@ -29,7 +34,11 @@ def make_consumer() -> InboxConsumer:
     )
 
     @consumer.handler("E2EPing")
-    async def applied(ctx: HandlerContext, event: EventEnvelope) -> None:
-        await ctx.session.execute(_APPLIED, {"id": event.event_id})  # type: ignore[misc]
+    async def applied(ctx: HandlerContext, event: EventEnvelope) -> None:  # type: ignore[type-arg]
+        handled = time.time()
+        appended = None if ctx.timestamp_ms is None else ctx.timestamp_ms / 1000
+        await ctx.session.execute(
+            _APPLIED, {"id": event.event_id, "appended": appended, "handled": handled}
+        )
 
     return consumer

@@ -6,8 +6,20 @@ applies them, stamping the time in its transaction. Both stamps come from one cl
 machine's). Reported: p50 / p99 / max in ms per round and their medians over rounds.
 Targets: ``e2e_p50_ms <= 10``, ``e2e_p99_ms <= 50``.
 
+Per hop: the topic uses ``message.timestamp.type=LogAppendTime``, so a record's timestamp is
+the broker's append time (same machine, same clock); the consumer stores it with the event.
+The result splits the latency into the relay hop (commit -> appended to the log) and the
+consumer hop (appended -> handler's transaction committed), and reports the CPU the run used
+per process kind (``e2e_cpu_pct``, % of one core; from ``/proc``), because on a small machine
+the latency is mostly waiting for a core.
+
+A second, lighter run (``BENCH_E2E_LIGHT_RATE``, default 200 events/s, 30 s) shows the
+latency when the machine is not saturated by the load generator itself.
+
 Environment knobs (for quick runs): ``BENCH_E2E_RATE``, ``BENCH_E2E_DURATION_S``,
-``BENCH_E2E_ROUNDS``, ``BENCH_E2E_PRODUCERS``.
+``BENCH_E2E_ROUNDS``, ``BENCH_E2E_PRODUCERS``, ``BENCH_E2E_LIGHT_RATE`` (0: no light run),
+``BENCH_E2E_LIGHT_DURATION_S``, ``BENCH_E2E_RELAY_ARGS`` (extra ``relay run`` options, e.g.
+``"--lanes 1"``).
 """
 
 from __future__ import annotations
@@ -32,13 +44,25 @@ RATE = float(os.environ.get("BENCH_E2E_RATE", "1000"))
 DURATION_S = float(os.environ.get("BENCH_E2E_DURATION_S", "60"))
 ROUNDS = int(os.environ.get("BENCH_E2E_ROUNDS", "3"))
 PRODUCERS = int(os.environ.get("BENCH_E2E_PRODUCERS", "2"))
+LIGHT_RATE = float(os.environ.get("BENCH_E2E_LIGHT_RATE", "200"))
+LIGHT_DURATION_S = float(os.environ.get("BENCH_E2E_LIGHT_DURATION_S", "30"))
+RELAY_ARGS = os.environ.get("BENCH_E2E_RELAY_ARGS", "").split()
 
 
 async def _create_topic(name: str) -> None:
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap())
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(name, num_partitions=3, replication_factor=1)])
+        await admin.create_topics(
+            [
+                NewTopic(
+                    name,
+                    num_partitions=3,
+                    replication_factor=1,
+                    topic_configs={"message.timestamp.type": "LogAppendTime"},
+                )
+            ]
+        )
     finally:
         await admin.close()
 
@@ -46,6 +70,46 @@ async def _create_topic(name: str) -> None:
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+_KINDS = {
+    "bench._e2e_producer": "producers",
+    "relay run": "relay",
+    "inbox run": "consumer",
+    "kafka.Kafka": "kafka",
+    "redis-server": "redis",
+}
+
+
+def _cpu_ticks() -> dict[int, tuple[int, str]]:
+    """utime + stime (clock ticks) and a kind for every process, from /proc (Linux)."""
+    out: dict[int, tuple[int, str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        kind = "other"
+        if "postgres:" in cmd and not cmd.startswith(sys.executable):
+            kind = "postgresql"
+        else:
+            kind = next((v for k, v in _KINDS.items() if k in cmd), "other")
+        out[int(entry.name)] = (int(fields[11]) + int(fields[12]), kind)
+    return out
+
+
+def _cpu_pct(before: dict[int, tuple[int, str]], seconds: float) -> dict[str, float]:
+    """% of one core used per process kind since ``before``."""
+    hz = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for pid, (ticks, kind) in _cpu_ticks().items():
+        delta = ticks - before.get(pid, (0, kind))[0]
+        used[kind] = used.get(kind, 0.0) + delta
+    return {k: round(v / hz / seconds * 100, 1) for k, v in sorted(used.items()) if v}
 
 
 def _wait_applied(engine: sa.Engine, expected: int, deadline_s: float) -> int:
@@ -68,7 +132,8 @@ def _round(rate: float, duration_s: float) -> dict[str, float]:
         with engine.begin() as conn:
             conn.execute(
                 sa.text(
-                    "CREATE TABLE e2e_applied (event_id uuid PRIMARY KEY, applied_at timestamptz)"
+                    "CREATE TABLE e2e_applied (event_id uuid PRIMARY KEY,"
+                    " appended_at timestamptz, handled_at timestamptz, applied_at timestamptz)"
                 )
             )
         env = {
@@ -81,7 +146,7 @@ def _round(rate: float, duration_s: float) -> dict[str, float]:
         logs = Path(tmp)
         daemons = [
             subprocess.Popen(
-                [sys.executable, "-m", "relay", "run", "--poll-interval-s", "1"],
+                [sys.executable, "-m", "relay", "run", "--poll-interval-s", "1", *RELAY_ARGS],
                 env=env,
                 stdout=(logs / "relay.log").open("w"),
                 stderr=subprocess.STDOUT,
@@ -112,6 +177,7 @@ def _round(rate: float, duration_s: float) -> dict[str, float]:
             if _wait_applied(engine, 100, 90) < 100:
                 raise RuntimeError(f"warm-up not applied; see {logs}")
             outs = [logs / f"committed-{i}.json" for i in range(PRODUCERS)]
+            cpu_before, cpu_started = _cpu_ticks(), time.monotonic()
             producers = [
                 subprocess.Popen(
                     [
@@ -128,6 +194,9 @@ def _round(rate: float, duration_s: float) -> dict[str, float]:
                 )
                 for out in outs
             ]
+            # CPU over the first 90% of the run, while the producers still live.
+            time.sleep(duration_s * 0.9)
+            cpu = _cpu_pct(cpu_before, time.monotonic() - cpu_started)
             for producer in producers:
                 if producer.wait() != 0:
                     raise RuntimeError("a producer failed")
@@ -139,7 +208,8 @@ def _round(rate: float, duration_s: float) -> dict[str, float]:
             with engine.connect() as conn:
                 rows = conn.execute(
                     sa.text(
-                        "SELECT event_id::text, extract(epoch FROM applied_at) FROM e2e_applied"
+                        "SELECT event_id::text, extract(epoch FROM applied_at),"
+                        " extract(epoch FROM appended_at) FROM e2e_applied"
                     )
                 ).all()
         finally:
@@ -151,33 +221,52 @@ def _round(rate: float, duration_s: float) -> dict[str, float]:
                 except subprocess.TimeoutExpired:
                     daemon.kill()
             engine.dispose()
-    latencies = [
-        (float(applied) - committed[event_id]) * 1000
-        for event_id, applied in rows
-        if event_id in committed
-    ]
-    if applied_count < expected or not latencies:
+    measured = [(committed[e], float(a), float(b)) for e, a, b in rows if e in committed]
+    if applied_count < expected or not measured:
         raise RuntimeError(f"only {applied_count} of {expected} events applied")
-    elapsed_rate = len(committed) / duration_s
+    latencies = [(applied - commit) * 1000 for commit, applied, _ in measured]
+    relay_hop = [(appended - commit) * 1000 for commit, _, appended in measured]
+    consumer_hop = [(applied - appended) * 1000 for _, applied, appended in measured]
     return {
         "p50_ms": _percentile(latencies, 0.50),
         "p99_ms": _percentile(latencies, 0.99),
         "max_ms": max(latencies),
+        "relay_hop_p50_ms": _percentile(relay_hop, 0.50),
+        "relay_hop_p99_ms": _percentile(relay_hop, 0.99),
+        "consumer_hop_p50_ms": _percentile(consumer_hop, 0.50),
+        "consumer_hop_p99_ms": _percentile(consumer_hop, 0.99),
         "events": float(len(latencies)),
-        "offered_rate_per_s": elapsed_rate,
+        "offered_rate_per_s": len(committed) / duration_s,
+        "cpu_pct": cpu,  # type: ignore[dict-item]
     }
 
 
 def run() -> dict[str, Any]:
-    """Run ``ROUNDS`` rounds; return medians and every round's figures."""
+    """Run ``ROUNDS`` rounds at ``RATE`` (then the light rounds); return medians and every
+    round's figures."""
     rounds = [_round(RATE, DURATION_S) for _ in range(ROUNDS)]
-    return {
+    result: dict[str, Any] = {
         "e2e_p50_ms": median([r["p50_ms"] for r in rounds]),
         "e2e_p99_ms": median([r["p99_ms"] for r in rounds]),
+        "e2e_relay_hop_p50_ms": median([r["relay_hop_p50_ms"] for r in rounds]),
+        "e2e_relay_hop_p99_ms": median([r["relay_hop_p99_ms"] for r in rounds]),
+        "e2e_consumer_hop_p50_ms": median([r["consumer_hop_p50_ms"] for r in rounds]),
+        "e2e_consumer_hop_p99_ms": median([r["consumer_hop_p99_ms"] for r in rounds]),
         "e2e_rounds": rounds,
         "e2e_rate_per_s": RATE,
         "e2e_duration_s": DURATION_S,
     }
+    if LIGHT_RATE > 0:
+        light = [_round(LIGHT_RATE, LIGHT_DURATION_S) for _ in range(ROUNDS)]
+        result.update(
+            {
+                "e2e_light_p50_ms": median([r["p50_ms"] for r in light]),
+                "e2e_light_p99_ms": median([r["p99_ms"] for r in light]),
+                "e2e_light_rate_per_s": LIGHT_RATE,
+                "e2e_light_rounds": light,
+            }
+        )
+    return result
 
 
 if __name__ == "__main__":
