@@ -39,6 +39,20 @@ TARGETS: dict[str, tuple[str, float]] = {
 }
 
 
+#: Figures printed under the targets (context for reading them; no bound).
+CONTEXT = (
+    "relay_events_per_s",
+    "raw_producer_events_per_s",
+    "relay_scaling_2_vs_1",
+    "e2e_relay_hop_p50_ms",
+    "e2e_consumer_hop_p50_ms",
+    "e2e_light_p50_ms",
+    "e2e_light_p99_ms",
+    "inbox_events_per_s",
+    "plain_consumer_events_per_s",
+)
+
+
 def _machine() -> dict[str, Any]:
     mem_gib = None
     try:
@@ -110,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         value = result.get(key)
         shown = f"{value:14.3f}" if isinstance(value, int | float) else f"{'-':>14}"
         print(f"{key:32} {shown}  {result['verdicts'][key]}")
+    for key in CONTEXT:
+        value = result.get(key)
+        if isinstance(value, int | float):
+            print(f"{key:32} {value:14.3f}")
     print(f"\nwritten: {latest}")
     return 1 if failures else 0
 
