@@ -12,21 +12,49 @@ Every flag is mirrored by an environment variable (``DATABASE_URL``, ``KAFKA_BOO
 
 from __future__ import annotations
 
-from typing import Annotated
+import importlib
+from typing import Annotated, Any
 
 import typer
-
-from inbox._cli import app as consumer_app
-from relay._cli import app as relay_app
+from typer.core import TyperGroup
 
 __all__ = ["app", "main"]
 
+#: Sub-command groups, imported only when used: ``ledgerbox relay run`` does not load the
+#: inbox (SQLAlchemy, Redis client), which keeps the relay daemon's memory down.
+_LAZY = {
+    "relay": ("relay._cli", "app"),
+    "consumer": ("inbox._cli", "app"),
+}
+
+
+class _LazyGroup(TyperGroup):
+    """Click's documented lazy-loading pattern for the sub-command groups in ``_LAZY``."""
+
+    # ``Any``: Typer vendors its own click types.
+    def list_commands(self, ctx: Any) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_LAZY})
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name not in _LAZY:
+            return super().get_command(ctx, cmd_name)
+        module, attr = _LAZY[cmd_name]
+        sub: Any = getattr(importlib.import_module(module), attr)
+        command = typer.main.get_command(sub)
+        command.name = cmd_name
+        return command
+
+
 app = typer.Typer(
+    cls=_LazyGroup,
     help="ledgerbox: transactional outbox relay, inbox consumers and their operations.",
     no_args_is_help=True,
 )
-app.add_typer(relay_app, name="relay")
-app.add_typer(consumer_app, name="consumer")
+
+
+@app.callback()
+def _root() -> None:
+    """ledgerbox: transactional outbox relay, inbox consumers and their operations."""
 
 
 @app.command()

@@ -15,12 +15,9 @@ from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.orm import registry
 
 from outbox._identifiers import sql_identifier
+from outbox._names import DEFAULT_SHARD_COUNT
 
 __all__ = ["DEFAULT_SHARD_COUNT", "EventStatus", "OutboxTable", "shard_of"]
-
-#: Number of virtual shards the key space is cut into. Fixed for the life of a table: a relay
-#: owns whole shards, and per-key order holds because a key never changes shard.
-DEFAULT_SHARD_COUNT = 64
 
 
 class EventStatus(enum.IntEnum):

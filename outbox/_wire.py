@@ -19,10 +19,10 @@ from pydantic import ValidationError
 
 from outbox._envelope import EventEnvelope
 from outbox._errors import EnvelopeParseError
+from outbox._names import CONTENT_TYPE, KNOWN_HEADERS
 
 __all__ = ["CONTENT_TYPE", "envelope_from_kafka", "kafka_headers", "timestamp_ms"]
 
-CONTENT_TYPE = "application/json"
 _SPEC_VERSION = b"1.0"
 _H_ID = "ce_id"
 _H_TYPE = "ce_type"
@@ -34,10 +34,7 @@ _H_KEY = "ce_idempotencykey"
 _H_AGG_TYPE = "ce_aggregatetype"
 _H_AGG_ID = "ce_aggregateid"
 _H_AGG_VERSION = "ce_aggregateversion"
-_KNOWN = frozenset(
-    {_H_ID, _H_TYPE, _H_SOURCE, _H_TIME, _H_SPEC, _H_CONTENT_TYPE, _H_KEY, _H_AGG_TYPE}
-    | {_H_AGG_ID, _H_AGG_VERSION}
-)
+_KNOWN = KNOWN_HEADERS
 
 
 def kafka_headers(

@@ -11,11 +11,16 @@ Run it as a daemon with ``python -m relay run`` (see ``relay/_cli.py``). The rea
 documented in ``relay._relay`` and ``docs/relay.md``.
 """
 
-from relay._config import RelayConfig
-from relay._errors import RelayError, StoreError
-from relay._publisher import KafkaPublisher, OutboundRecord, Publisher
-from relay._relay import Relay
-from relay._table import RelayTables
+from typing import TYPE_CHECKING
+
+from outbox._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from relay._config import RelayConfig
+    from relay._errors import RelayError, StoreError
+    from relay._publisher import KafkaPublisher, OutboundRecord, Publisher
+    from relay._relay import Relay
+    from relay._table import RelayTables
 
 __all__ = [
     "KafkaPublisher",
@@ -27,3 +32,19 @@ __all__ = [
     "RelayTables",
     "StoreError",
 ]
+
+# Lazy (PEP 562): the daemon never imports RelayTables (SQLAlchemy), only what it runs.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    globals(),
+    {
+        "KafkaPublisher": "relay._publisher",
+        "OutboundRecord": "relay._publisher",
+        "Publisher": "relay._publisher",
+        "Relay": "relay._relay",
+        "RelayConfig": "relay._config",
+        "RelayError": "relay._errors",
+        "RelayTables": "relay._table",
+        "StoreError": "relay._errors",
+    },
+)

@@ -80,8 +80,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from outbox._backoff import Backoff
-from outbox._wire import _KNOWN as KNOWN_HEADERS
-from outbox._wire import CONTENT_TYPE
+from outbox._names import CONTENT_TYPE, KNOWN_HEADERS
 from relay import _metrics as m
 from relay._config import RelayConfig
 from relay._errors import StoreError
