@@ -48,7 +48,7 @@ class RelaySettings(BaseSettings):
     outbox_table: str = "outbox"
     db_schema: str | None = None
     batch_size: int = 1000
-    lanes: int = 4
+    lanes: int = 8
     poll_interval_s: float = 1.0
     lease_ttl_s: float = 5.0
     heartbeat_interval_s: float = 1.0

@@ -162,6 +162,10 @@ class _Lane:
         self.marking_shards: set[int] = set()
         self.rotation = 0
 
+    @property
+    def stores(self) -> tuple[RelayStore, RelayStore]:
+        return self.store, self.mark_store
+
 
 def _reason(exc: BaseException) -> str:
     text = str(exc)
@@ -723,6 +727,13 @@ class Relay:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise failed[0].exception()  # type: ignore[misc]
+            if self._wanted < self._active:
+                # Caught up: the lanes that stop release their database connections.
+                kept = {id(s) for lane in self._lanes[: self._wanted] for s in lane.stores}
+                for lane in self._lanes[self._wanted : self._active]:
+                    for store in lane.stores:
+                        if id(store) not in kept:  # (tests may share one store)
+                            await store.close()
             if self._wanted != self._active and not self._stopping.is_set():
                 log.info(
                     "lanes %d -> %d (%s)",

@@ -134,6 +134,19 @@ async def test_lanes_follow_the_load_and_keep_key_order(engine: Engine, database
 
         await poll_until(drained, within=60, what="backlog published")
         await poll_until(one_lane, within=30, what="back to one lane")
+
+        async def idle_lanes_disconnected() -> bool:
+            with engine.connect() as conn:
+                names = conn.execute(
+                    text(
+                        "SELECT application_name FROM pg_stat_activity"
+                        " WHERE datname = current_database()"
+                        " AND application_name LIKE 'ledgerbox-relay-%'"
+                    )
+                ).scalars()
+                return not any(n[-1].isdigit() and n[-1] != "0" for n in names)
+
+        await poll_until(idle_lanes_disconnected, within=30, what="idle lanes disconnected")
     finally:
         relay.stop()
         with contextlib.suppress(asyncio.CancelledError):
