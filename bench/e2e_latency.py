@@ -13,8 +13,8 @@ consumer hop (appended -> handler's transaction committed), and reports the CPU 
 per process kind (``e2e_cpu_pct``, % of one core; from ``/proc``), because on a small machine
 the latency is mostly waiting for a core.
 
-A second, lighter run (``BENCH_E2E_LIGHT_RATE``, default 200 events/s, 30 s) shows the
-latency when the machine is not saturated by the load generator itself.
+Then as many lighter rounds (``BENCH_E2E_LIGHT_RATE``, default 200 events/s, 30 s each) show
+the latency when the machine is not saturated by the load generator itself.
 
 Environment knobs (for quick runs): ``BENCH_E2E_RATE``, ``BENCH_E2E_DURATION_S``,
 ``BENCH_E2E_ROUNDS``, ``BENCH_E2E_PRODUCERS``, ``BENCH_E2E_LIGHT_RATE`` (0: no light run),

@@ -19,7 +19,7 @@ from inbox._context import HandlerContext
 from inbox._handlers import Registered
 from inbox._message import MessagePipeline
 from inbox._policy import Outcome
-from inbox._record import Parsed, Record, parse_record
+from inbox._record import Parsed, Record, parse_record, record_timestamp_ms
 from outbox import EventEnvelope
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class BatchPipeline:
                     topic=record.topic,
                     partition=record.partition,
                     offset=record.offset,
-                    timestamp_ms=getattr(record, "timestamp", None),
+                    timestamp_ms=record_timestamp_ms(record),
                 )
                 if c.hooks.after_begin is not None:
                     await c.hooks.after_begin(ctx)

@@ -47,6 +47,7 @@ class HandlerContext(Generic[S]):
     partition: int
     offset: int
     fencing_token: int | None = None
-    timestamp_ms: int | None = None
     lock_lost: bool = field(default=False)
     """True once a renewal found the lock taken by someone else (writes should be fenced)."""
+    timestamp_ms: int | None = None
+    """The Kafka record's timestamp in ms since the epoch (see the class docstring)."""

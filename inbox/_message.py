@@ -32,7 +32,14 @@ from inbox._context import HandlerContext
 from inbox._errors import FencedWriteError, LockBusyError, VersionConflictError
 from inbox._handlers import Registered
 from inbox._policy import ErrorClass, Outcome, classify, should_retry
-from inbox._record import Abandon, Parsed, Record, parse_record, sleep_unless_abandoned
+from inbox._record import (
+    Abandon,
+    Parsed,
+    Record,
+    parse_record,
+    record_timestamp_ms,
+    sleep_unless_abandoned,
+)
 from inbox._redis import LockLease, new_token
 from outbox import EnvelopeParseError, EventEnvelope
 
@@ -187,7 +194,7 @@ class MessagePipeline:
                 topic=record.topic,
                 partition=record.partition,
                 offset=record.offset,
-                timestamp_ms=getattr(record, "timestamp", None),
+                timestamp_ms=record_timestamp_ms(record),
                 fencing_token=lease.fencing_token if lease else None,
             )
             if lease is not None:

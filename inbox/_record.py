@@ -22,6 +22,7 @@ __all__ = [
     "never",
     "parse_record",
     "record_identity",
+    "record_timestamp_ms",
     "sleep_unless_abandoned",
 ]
 
@@ -44,6 +45,12 @@ class Record(Protocol):
     def value(self) -> bytes | None: ...
     @property
     def headers(self) -> Sequence[tuple[str, bytes]]: ...
+
+
+def record_timestamp_ms(record: Record) -> int | None:
+    """The record's Kafka timestamp in ms, or ``None`` when it has none (Kafka uses -1)."""
+    stamp = getattr(record, "timestamp", None)
+    return stamp if isinstance(stamp, int) and stamp >= 0 else None
 
 
 def parse_record(record: Record) -> Parsed:

@@ -40,7 +40,7 @@ class _LazyGroup(TyperGroup):
             return super().get_command(ctx, cmd_name)
         module, attr = _LAZY[cmd_name]
         sub: Any = getattr(importlib.import_module(module), attr)
-        command = typer.main.get_command(sub)
+        command = typer.main.get_group(sub)
         command.name = cmd_name
         return command
 

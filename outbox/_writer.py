@@ -97,6 +97,11 @@ class OutboxWriter:
         self.table = table if table is not None else OutboxTable()
         self.max_payload_bytes = max_payload_bytes
         self._insert_once_sql = _insert_once_statement(self.table.table, self.table.qualified_name)
+        # Session.get_bind() finds binds keyed by the mapped class or by the table.
+        self._bind_args: dict[str, Any] = {
+            "mapper": self.table.row_class,
+            "clause": self.table.table,
+        }
 
     # -- building events ------------------------------------------------------------------
 
@@ -229,7 +234,12 @@ class OutboxWriter:
             The payload exceeds ``max_payload_bytes``; nothing is written.
         """
         row = self._row(event)
-        result = target.execute(self._insert_once_sql, row)
+        if isinstance(target, Session):
+            # A text statement names no table: route it like the mapped outbox rows (a
+            # Session with per-table binds has no default bind).
+            result = target.execute(self._insert_once_sql, row, bind_arguments=self._bind_args)
+        else:
+            result = target.execute(self._insert_once_sql, row)
         if result.first() is not None:
             return Staged(created=True, event=event)
         existing = target.execute(self._select_by_key(event.idempotency_key)).mappings().one()
@@ -240,7 +250,12 @@ class OutboxWriter:
     ) -> Staged:
         """The ``async`` form of :meth:`stage_once` for ``AsyncSession`` / ``AsyncConnection``."""
         row = self._row(event)
-        result = await target.execute(self._insert_once_sql, row)
+        if isinstance(target, AsyncSession):
+            result = await target.execute(
+                self._insert_once_sql, row, bind_arguments=self._bind_args
+            )
+        else:
+            result = await target.execute(self._insert_once_sql, row)
         if result.first() is not None:
             return Staged(created=True, event=event)
         existing = (await target.execute(self._select_by_key(event.idempotency_key))).mappings()

@@ -34,17 +34,18 @@ __all__ = [
 ]
 
 # Lazy (PEP 562): the daemon never imports RelayTables (SQLAlchemy), only what it runs.
-__getattr__, __dir__ = lazy_exports(
-    __name__,
-    globals(),
-    {
-        "KafkaPublisher": "relay._publisher",
-        "OutboundRecord": "relay._publisher",
-        "Publisher": "relay._publisher",
-        "Relay": "relay._relay",
-        "RelayConfig": "relay._config",
-        "RelayError": "relay._errors",
-        "RelayTables": "relay._table",
-        "StoreError": "relay._errors",
-    },
-)
+if not TYPE_CHECKING:  # type checkers see the imports above, so typos stay errors
+    __getattr__, __dir__ = lazy_exports(
+        __name__,
+        globals(),
+        {
+            "KafkaPublisher": "relay._publisher",
+            "OutboundRecord": "relay._publisher",
+            "Publisher": "relay._publisher",
+            "Relay": "relay._relay",
+            "RelayConfig": "relay._config",
+            "RelayError": "relay._errors",
+            "RelayTables": "relay._table",
+            "StoreError": "relay._errors",
+        },
+    )

@@ -105,8 +105,8 @@ log = logging.getLogger("relay")
 TEST_MARK_DELAY_ENV = "LEDGERBOX_RELAY_TEST_MARK_DELAY_MS"
 
 _RECREATE_PRODUCER_AFTER = 3
-#: With several lanes configured, the relay runs them all while claims come back full and
-#: goes back to one lane once no claim was full for this long (seconds).
+#: With several lanes configured, the relay runs them all while there is a backlog and goes
+#: back to one lane once the lanes' claims stayed small for this long (seconds).
 _SCALE_DOWN_AFTER_S = 2.0
 _STATS_INTERVAL_S = 5.0
 
@@ -238,7 +238,7 @@ class Relay:
         self._active = 1
         self._wanted = 1
         self._regroup = asyncio.Event()
-        self._last_full = -float("inf")
+        self._last_busy = -float("inf")
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -484,10 +484,13 @@ class Relay:
         fences: dict[int, int] = {}
         if task is not None:
             events, fences = await task
-        if not events and (task is None or lane.wake.is_set()):
+        leaving = self._regroup.is_set() or self._stopping.is_set()
+        if not events and not leaving and (task is None or lane.wake.is_set()):
             # Nothing prefetched, or the prefetch found nothing and a NOTIFY came in since it
             # began: claim afresh. (An empty prefetch without a NOTIFY since needs no second
-            # claim: at low load that halves the claims.)
+            # claim: at low load that halves the claims.) Not when the lane is about to stop:
+            # that claim would clear the wake flag of a lane that then waits for it; the next
+            # group of lanes claims afresh anyway.
             events, fences = await self._claim(lane, lane.marking_ids)
         if not events:
             await self._finish_marking(lane)
@@ -743,18 +746,24 @@ class Relay:
                 )
 
     def _adapt_lanes(self, claimed: int) -> None:
-        """Scale the lanes with the load: all of them while claims come back full (a
-        backlog), one once none was full for ``_SCALE_DOWN_AFTER_S`` (one pipeline has the
-        lowest latency and database load when the relay keeps up)."""
+        """Scale the lanes with the load: all of them once one lane's claim comes back full
+        (a backlog); back to one once, for ``_SCALE_DOWN_AFTER_S``, no lane claimed more
+        than half a batch's share (``batch_size / (2 * running lanes)``: one lane would then
+        claim at most half a batch per cycle). The gap between the two thresholds keeps a
+        steady load from flipping the count (one pipeline has the lowest latency and
+        database load when the relay keeps up)."""
         most = len(self._lanes)
         if most == 1:
             return
         now = self._clock()
-        if claimed >= self.config.batch_size:
-            self._last_full = now
-            if self._active < most:
+        batch = self.config.batch_size
+        if self._active == 1:
+            if claimed >= batch:
+                self._last_busy = now
                 self._request_regroup(most)
-        elif self._active > 1 and now - self._last_full > _SCALE_DOWN_AFTER_S:
+        elif claimed * 2 * self._active > batch:
+            self._last_busy = now
+        elif now - self._last_busy > _SCALE_DOWN_AFTER_S:
             self._request_regroup(1)
 
     def _request_regroup(self, lanes: int) -> None:
@@ -780,7 +789,7 @@ class Relay:
                 await self._sleep(self._backoff.delay_s(attempt))
                 continue
             self._adapt_lanes(claimed)
-            if claimed:
+            if claimed or self._regroup.is_set() or self._stopping.is_set():
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(lane.wake.wait(), self.config.poll_interval_s)

@@ -332,3 +332,24 @@ def test_stage_once_stores_what_stage_stores_and_is_compiled_once(engine: Engine
         sa.event.remove(engine, "after_cursor_execute", seen)
     assert len(cache) == 3
     assert cache[1:] == [default.CACHE_HIT, default.CACHE_HIT]
+
+
+def test_stage_once_in_a_session_with_per_table_binds(
+    engine: Engine, async_engine: AsyncEngine
+) -> None:
+    """A session without a default bind (``binds={table: engine}``) routes stage_once like
+    the mapped rows (it used to fail: a text statement names no table)."""
+    key = idempotency_key("order", "c", "binds-1")
+    with Session(binds={TABLE.table: engine}) as session, session.begin():
+        first = WRITER.stage_once(session, _event(200, key=key))
+    with Session(binds={TABLE.table: engine}) as session, session.begin():
+        second = WRITER.stage_once(session, _event(201, key=key))
+
+    async def run() -> bool:
+        async with AsyncSession(binds={TABLE.table: async_engine}) as session, session.begin():
+            third = await WRITER.astage_once(session, _event(202, key=key))
+        return third.created
+
+    assert (first.created, second.created, asyncio.run(run())) == (True, False, False)
+    assert second.event.event_id == first.event.event_id
+    assert _count(engine) == 1

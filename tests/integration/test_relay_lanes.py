@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from typing import Any
 
 from sqlalchemy import Engine, text
 
 from outbox import shard_of
 from relay import Relay
+from relay._store import ClaimedEvent, RelayStore
 from relay.testing import InMemoryPublisher
 from tests import _relay_support as rs
 from tests._services import TopicFactory, poll_until
@@ -160,3 +162,47 @@ async def test_lanes_follow_the_load_and_keep_key_order(engine: Engine, database
     assert len(by_key) == KEYS
     for key, seqs in by_key.items():
         assert seqs == list(range(1, 26)), key
+
+
+class _HeldClaimStore(RelayStore):
+    """Store seam whose second claim (the prefetch) waits until the test releases it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.claims = 0
+        self.prefetch_started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def claim_batch(self, *args: Any, **kwargs: Any) -> list[ClaimedEvent]:
+        self.claims += 1
+        if self.claims == 2:
+            self.prefetch_started.set()
+            await self.release.wait()
+            return []
+        return await super().claim_batch(*args, **kwargs)
+
+
+async def test_stop_during_an_empty_prefetch_does_not_wait_for_the_poll(
+    engine: Engine, database_url: str
+) -> None:
+    """Regression: stop() sets the lanes' wake flags; a lane whose prefetch then came back
+    empty re-claimed (which clears the flag) and waited a whole poll interval before it saw
+    the stop. Same path as a regroup of the lanes."""
+    rs.reset_relay_tables(engine)
+    writer = rs.writer_for("relay-lanes-stop")
+    rs.stage(engine, writer, [rs.event(writer, "k", 1)])
+    config = rs.config(database_url, "unused:9092", lanes=1, poll_interval_s=60.0)
+    store = _HeldClaimStore(config, "main")
+    relay = Relay(config, publisher=InMemoryPublisher(), store=store)
+    task = asyncio.create_task(relay.run())
+    try:
+        await asyncio.wait_for(store.prefetch_started.wait(), 30)
+        relay.stop()
+        store.release.set()
+        await asyncio.wait_for(task, 10)  # was: ~60 s (the poll interval)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    assert store.claims == 2, "no claim after the stop"
