@@ -815,8 +815,8 @@ class Relay:
         attempt = 0
         while not self._stopping.is_set():
             try:
-                # (Re)connected: a notification may have been missed meanwhile.
-                self._wake_all()
+                # The first item comes once LISTEN is active: a commit before it notified
+                # no one, so every lane claims then (and on every notification after).
                 async for _ in self._listen_store.notifications():
                     attempt = 0
                     self._wake_all()

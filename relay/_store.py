@@ -425,13 +425,16 @@ class RelayStore:
     # -- wake-up -------------------------------------------------------------------------------
 
     async def notifications(self) -> AsyncIterator[None]:
-        """LISTEN on the outbox channel; yields once per notification. A hint only.
+        """LISTEN on the outbox channel; yields once as soon as LISTEN is active (a commit
+        just before it sent no notification the caller could see), then once per
+        notification. A hint only.
 
         Raises :class:`StoreError` when the connection drops; the caller reconnects.
         """
         conn = await self._connection()
         try:
             await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+            yield None
             async for _ in conn.notifies():
                 yield None
         except psycopg.Error as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from sqlalchemy import Engine, text
@@ -206,3 +207,49 @@ async def test_stop_during_an_empty_prefetch_does_not_wait_for_the_poll(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     assert store.claims == 2, "no claim after the stop"
+
+
+class _LateListenStore(RelayStore):
+    """LISTEN connection that becomes active only when the test says so."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.go = asyncio.Event()
+
+    async def notifications(self) -> AsyncIterator[None]:
+        await self.go.wait()
+        async for item in super().notifications():
+            yield item
+
+
+async def test_a_commit_before_listen_is_active_is_claimed_once_it_is(
+    engine: Engine, database_url: str
+) -> None:
+    """Regression: the relay woke its lanes BEFORE its LISTEN was active; an event committed
+    in between notified no one and waited for the poll interval (here 60 s)."""
+    rs.reset_relay_tables(engine)
+    writer = rs.writer_for("relay-lanes-listen")
+    config = rs.config(database_url, "unused:9092", lanes=1, poll_interval_s=60.0)
+    publisher = InMemoryPublisher()
+    relay = Relay(config, publisher=publisher)
+    listen = _LateListenStore(config, "listen")
+    relay._listen_store = listen
+    task = asyncio.create_task(relay.run())
+    try:
+
+        async def holds_shards() -> bool:
+            return bool(relay.owned_shards())
+
+        await poll_until(holds_shards, within=30, what="shards acquired")
+        await asyncio.sleep(0.5)  # the lane claimed (nothing) and waits
+        rs.stage(engine, writer, [rs.event(writer, "late", 1)])
+        listen.go.set()
+
+        async def published() -> bool:
+            return len(publisher.records) == 1
+
+        await poll_until(published, within=10, what="the event published")
+    finally:
+        relay.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)
