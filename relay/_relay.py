@@ -724,7 +724,9 @@ class Relay:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
-            failed = [t for t in tasks if t.done() and t.exception() is not None]
+            failed = [
+                t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None
+            ]
             if failed:
                 for task in tasks:
                     task.cancel()
