@@ -2,7 +2,7 @@
 
 A producer process commits one event per transaction at a steady rate (default 1,000 events/s
 for 60 s, in two producer processes); a relay process publishes them; an inbox consumer process
-applies them, stamping the time in its transaction. Both stamps come from one clock (this
+applies them, stamping the time in its transaction. All stamps come from one clock (this
 machine's). Reported: p50 / p99 / max in ms per round and their medians over rounds.
 Targets: ``e2e_p50_ms <= 10``, ``e2e_p99_ms <= 50``.
 
@@ -10,8 +10,8 @@ Per hop: the topic uses ``message.timestamp.type=LogAppendTime``, so a record's 
 the broker's append time (same machine, same clock); the consumer stores it with the event.
 The result splits the latency into the relay hop (commit -> appended to the log) and the
 consumer hop (appended -> handler's transaction committed), and reports the CPU the run used
-per process kind (``e2e_cpu_pct``, % of one core; from ``/proc``), because on a small machine
-the latency is mostly waiting for a core.
+per process kind (``cpu_pct`` of each round: % of one core over the first 90% of the round,
+from ``/proc``), because on a small machine the latency is mostly waiting for a core.
 
 Then as many lighter rounds (``BENCH_E2E_LIGHT_RATE``, default 200 events/s, 30 s each) show
 the latency when the machine is not saturated by the load generator itself.
