@@ -3,7 +3,21 @@ imports (the relay daemon loads it without SQLAlchemy or pydantic)."""
 
 from __future__ import annotations
 
-__all__ = ["CONTENT_TYPE", "DEFAULT_SHARD_COUNT", "KNOWN_HEADERS"]
+__all__ = [
+    "CONTENT_TYPE",
+    "DEFAULT_SHARD_COUNT",
+    "H_AGG_ID",
+    "H_AGG_TYPE",
+    "H_AGG_VERSION",
+    "H_CONTENT_TYPE",
+    "H_ID",
+    "H_KEY",
+    "H_SOURCE",
+    "H_SPEC",
+    "H_TIME",
+    "H_TYPE",
+    "KNOWN_HEADERS",
+]
 
 #: Number of virtual shards the key space is cut into. Fixed for the life of a table: a relay
 #: owns whole shards, and per-key order holds because a key never changes shard.
@@ -12,19 +26,21 @@ DEFAULT_SHARD_COUNT = 64
 #: ``content-type`` of every record: the value is the payload JSON.
 CONTENT_TYPE = "application/json"
 
-#: Kafka header names the CloudEvents binding itself uses (binary content mode, section 3.2,
-#: plus this project's extension attributes); an event's own headers never override them.
+#: Kafka header names of the CloudEvents binding (binary content mode, section 3.2) and of this
+#: project's extension attributes.
+H_ID = "ce_id"
+H_TYPE = "ce_type"
+H_SOURCE = "ce_source"
+H_TIME = "ce_time"
+H_SPEC = "ce_specversion"
+H_CONTENT_TYPE = "content-type"
+H_KEY = "ce_idempotencykey"
+H_AGG_TYPE = "ce_aggregatetype"
+H_AGG_ID = "ce_aggregateid"
+H_AGG_VERSION = "ce_aggregateversion"
+
+#: The header names above: an event's own headers never override them.
 KNOWN_HEADERS = frozenset(
-    {
-        "ce_id",
-        "ce_type",
-        "ce_source",
-        "ce_time",
-        "ce_specversion",
-        "content-type",
-        "ce_idempotencykey",
-        "ce_aggregatetype",
-        "ce_aggregateid",
-        "ce_aggregateversion",
-    }
+    {H_ID, H_TYPE, H_SOURCE, H_TIME, H_SPEC, H_CONTENT_TYPE, H_KEY, H_AGG_TYPE, H_AGG_ID}
+    | {H_AGG_VERSION}
 )

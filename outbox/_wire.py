@@ -19,22 +19,25 @@ from pydantic import ValidationError
 
 from outbox._envelope import EventEnvelope
 from outbox._errors import EnvelopeParseError
-from outbox._names import CONTENT_TYPE, KNOWN_HEADERS
+from outbox._names import (
+    CONTENT_TYPE,
+    H_AGG_ID,
+    H_AGG_TYPE,
+    H_AGG_VERSION,
+    H_CONTENT_TYPE,
+    H_ID,
+    H_KEY,
+    H_SOURCE,
+    H_SPEC,
+    H_TIME,
+    H_TYPE,
+    KNOWN_HEADERS,
+)
 
 __all__ = ["CONTENT_TYPE", "envelope_from_kafka", "kafka_headers", "timestamp_ms"]
 
 _SPEC_VERSION = b"1.0"
-_H_ID = "ce_id"
-_H_TYPE = "ce_type"
-_H_SOURCE = "ce_source"
-_H_TIME = "ce_time"
-_H_SPEC = "ce_specversion"
-_H_CONTENT_TYPE = "content-type"
-_H_KEY = "ce_idempotencykey"
-_H_AGG_TYPE = "ce_aggregatetype"
-_H_AGG_ID = "ce_aggregateid"
-_H_AGG_VERSION = "ce_aggregateversion"
-_KNOWN = KNOWN_HEADERS
+_CONTENT_TYPE_BYTES = CONTENT_TYPE.encode()
 
 
 def kafka_headers(
@@ -51,20 +54,20 @@ def kafka_headers(
 ) -> list[tuple[str, bytes]]:
     """Kafka headers (``str`` keys, ``bytes`` values) for one event."""
     headers = [
-        (_H_SPEC, _SPEC_VERSION),
-        (_H_ID, str(event_id).encode()),
-        (_H_TYPE, event_type.encode()),
-        (_H_SOURCE, source.encode()),
-        (_H_TIME, occurred_at.isoformat().encode()),
-        (_H_CONTENT_TYPE, b"application/json"),
-        (_H_KEY, idempotency_key.encode()),
-        (_H_AGG_TYPE, aggregate_type.encode()),
-        (_H_AGG_ID, aggregate_id.encode()),
+        (H_SPEC, _SPEC_VERSION),
+        (H_ID, str(event_id).encode()),
+        (H_TYPE, event_type.encode()),
+        (H_SOURCE, source.encode()),
+        (H_TIME, occurred_at.isoformat().encode()),
+        (H_CONTENT_TYPE, _CONTENT_TYPE_BYTES),
+        (H_KEY, idempotency_key.encode()),
+        (H_AGG_TYPE, aggregate_type.encode()),
+        (H_AGG_ID, aggregate_id.encode()),
     ]
     if aggregate_version is not None:
-        headers.append((_H_AGG_VERSION, str(aggregate_version).encode()))
+        headers.append((H_AGG_VERSION, str(aggregate_version).encode()))
     if extra:
-        headers.extend((k, v.encode()) for k, v in extra.items() if k not in _KNOWN)
+        headers.extend((k, v.encode()) for k, v in extra.items() if k not in KNOWN_HEADERS)
     return headers
 
 
@@ -99,27 +102,27 @@ def envelope_from_kafka(
         raise EnvelopeParseError(f"value is not JSON: {exc}") from exc
     if not isinstance(payload, dict):
         raise EnvelopeParseError(f"value is JSON {type(payload).__name__}, expected an object")
-    missing = [h for h in (_H_ID, _H_TYPE, _H_SOURCE, _H_TIME, _H_KEY) if h not in found]
+    missing = [h for h in (H_ID, H_TYPE, H_SOURCE, H_TIME, H_KEY) if h not in found]
     if missing:
         raise EnvelopeParseError(f"missing CloudEvents headers: {', '.join(missing)}")
-    if found.get(_H_SPEC, "1.0") != "1.0":
-        raise EnvelopeParseError(f"unsupported ce_specversion {found[_H_SPEC]!r}")
+    if found.get(H_SPEC, "1.0") != "1.0":
+        raise EnvelopeParseError(f"unsupported ce_specversion {found[H_SPEC]!r}")
     try:
-        partition_key = key.decode("utf-8") if key is not None else found.get(_H_AGG_ID, "")
-        version = found.get(_H_AGG_VERSION)
+        partition_key = key.decode("utf-8") if key is not None else found.get(H_AGG_ID, "")
+        version = found.get(H_AGG_VERSION)
         return EventEnvelope(
-            event_id=uuid.UUID(found[_H_ID]),
-            idempotency_key=found[_H_KEY],
-            event_type=found[_H_TYPE],
+            event_id=uuid.UUID(found[H_ID]),
+            idempotency_key=found[H_KEY],
+            event_type=found[H_TYPE],
             topic=topic,
             partition_key=partition_key,
-            source=found[_H_SOURCE],
-            aggregate_type=found.get(_H_AGG_TYPE, "unknown"),
-            aggregate_id=found.get(_H_AGG_ID, partition_key),
+            source=found[H_SOURCE],
+            aggregate_type=found.get(H_AGG_TYPE, "unknown"),
+            aggregate_id=found.get(H_AGG_ID, partition_key),
             aggregate_version=int(version) if version is not None else None,
-            occurred_at=dt.datetime.fromisoformat(found[_H_TIME]),
+            occurred_at=dt.datetime.fromisoformat(found[H_TIME]),
             payload=payload,
-            headers={k: v for k, v in found.items() if k not in _KNOWN},
+            headers={k: v for k, v in found.items() if k not in KNOWN_HEADERS},
         )
     except (ValueError, ValidationError, UnicodeDecodeError) as exc:
         raise EnvelopeParseError(f"invalid event fields: {exc}") from exc

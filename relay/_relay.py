@@ -80,7 +80,20 @@ import time
 from collections.abc import Awaitable, Callable
 
 from outbox._backoff import Backoff
-from outbox._names import CONTENT_TYPE, KNOWN_HEADERS
+from outbox._names import (
+    CONTENT_TYPE,
+    H_AGG_ID,
+    H_AGG_TYPE,
+    H_AGG_VERSION,
+    H_CONTENT_TYPE,
+    H_ID,
+    H_KEY,
+    H_SOURCE,
+    H_SPEC,
+    H_TIME,
+    H_TYPE,
+    KNOWN_HEADERS,
+)
 from relay import _metrics as m
 from relay._config import RelayConfig
 from relay._errors import StoreError
@@ -111,8 +124,8 @@ _SCALE_DOWN_AFTER_S = 2.0
 _STATS_INTERVAL_S = 5.0
 
 
-_SPEC = ("ce_specversion", b"1.0")
-_CONTENT_TYPE = ("content-type", CONTENT_TYPE.encode())
+_SPEC = (H_SPEC, b"1.0")
+_CONTENT_TYPE = (H_CONTENT_TYPE, CONTENT_TYPE.encode())
 
 
 def to_record(event: ClaimedEvent) -> OutboundRecord:
@@ -123,17 +136,17 @@ def to_record(event: ClaimedEvent) -> OutboundRecord:
     """
     headers = [
         _SPEC,
-        ("ce_id", event.event_id.encode()),
-        ("ce_type", event.event_type.encode()),
-        ("ce_source", event.source.encode()),
-        ("ce_time", event.occurred_at_iso.encode()),
+        (H_ID, event.event_id.encode()),
+        (H_TYPE, event.event_type.encode()),
+        (H_SOURCE, event.source.encode()),
+        (H_TIME, event.occurred_at_iso.encode()),
         _CONTENT_TYPE,
-        ("ce_idempotencykey", event.idempotency_key.encode()),
-        ("ce_aggregatetype", event.aggregate_type.encode()),
-        ("ce_aggregateid", event.aggregate_id.encode()),
+        (H_KEY, event.idempotency_key.encode()),
+        (H_AGG_TYPE, event.aggregate_type.encode()),
+        (H_AGG_ID, event.aggregate_id.encode()),
     ]
     if event.aggregate_version is not None:
-        headers.append(("ce_aggregateversion", event.aggregate_version.encode()))
+        headers.append((H_AGG_VERSION, event.aggregate_version.encode()))
     if event.headers != "{}":
         extra: dict[str, str] = json.loads(event.headers)
         headers.extend((k, v.encode()) for k, v in extra.items() if k not in KNOWN_HEADERS)
