@@ -93,9 +93,8 @@ def _cpu_ticks() -> dict[int, tuple[int, str]]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        kind = "other"
         if "postgres:" in cmd and not cmd.startswith(sys.executable):
-            kind = "postgresql"
+            kind = "postgresql"  # a backend (a Python process's URL also holds "postgres:")
         else:
             kind = next((v for k, v in _KINDS.items() if k in cmd), "other")
         out[int(entry.name)] = (int(fields[11]) + int(fields[12]), kind)
