@@ -2,6 +2,7 @@
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md* ./
+COPY ledgerbox ./ledgerbox
 COPY outbox ./outbox
 COPY relay ./relay
 COPY inbox ./inbox

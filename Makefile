@@ -9,7 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SERVICES := eval "$$(bash scripts/services.sh up)"
 PYTEST_ARGS ?=
-PY_DIRS := outbox relay inbox example_services migrations ledgerbox tests bench
+PY_DIRS := ledgerbox outbox relay inbox migrations example_services tests bench
 
 .PHONY: venv services test lint unit demo bench soak clean down
 

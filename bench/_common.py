@@ -13,7 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-import migrations
+from ledgerbox import migrations
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -1,4 +1,4 @@
-"""The consumer side of the end-to-end latency benchmark (run by ``python -m inbox run``).
+"""The consumer side of the end-to-end latency benchmark (run by ``python -m ledgerbox.inbox run``).
 
 Its handler writes, in the inbox transaction, the record's broker append time (the topic uses
 ``LogAppendTime``), the time the handler started, and ``clock_timestamp()`` as the last
@@ -12,8 +12,8 @@ import time
 
 import sqlalchemy as sa
 
-from inbox import ConsumerConfig, HandlerContext, InboxConsumer
-from outbox import EventEnvelope
+from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer
+from ledgerbox.outbox import EventEnvelope
 
 _APPLIED = sa.text(
     "INSERT INTO e2e_applied (event_id, appended_at, handled_at, applied_at)"

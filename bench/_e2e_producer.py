@@ -14,7 +14,7 @@ import uuid
 
 import sqlalchemy as sa
 
-from outbox import OutboxWriter, TopicRouter
+from ledgerbox.outbox import OutboxWriter, TopicRouter
 
 
 def main(url: str, topic: str, rate: float, duration_s: float, out: str) -> None:

@@ -145,7 +145,15 @@ def _round(rate: float, duration_s: float) -> dict[str, float]:
         logs = Path(tmp)
         daemons = [
             subprocess.Popen(
-                [sys.executable, "-m", "relay", "run", "--poll-interval-s", "1", *RELAY_ARGS],
+                [
+                    sys.executable,
+                    "-m",
+                    "ledgerbox.relay",
+                    "run",
+                    "--poll-interval-s",
+                    "1",
+                    *RELAY_ARGS,
+                ],
                 env=env,
                 stdout=(logs / "relay.log").open("w"),
                 stderr=subprocess.STDOUT,
@@ -154,7 +162,7 @@ def _round(rate: float, duration_s: float) -> dict[str, float]:
                 [
                     sys.executable,
                     "-m",
-                    "inbox",
+                    "ledgerbox.inbox",
                     "run",
                     "--app",
                     "bench._e2e_consumer:make_consumer",

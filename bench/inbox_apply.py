@@ -51,10 +51,10 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from bench._common import fresh_database, kafka_bootstrap, median, write_result
-from inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
-from inbox._consumer import ConsumerHooks
-from inbox.testing import kafka_parts
-from outbox import EventEnvelope, OutboxWriter, TopicRouter, envelope_from_kafka
+from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
+from ledgerbox.inbox._consumer import ConsumerHooks
+from ledgerbox.inbox.testing import kafka_parts
+from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter, envelope_from_kafka
 
 RECORDS = int(os.environ.get("BENCH_INBOX_RECORDS", "5000"))
 ROUNDS = int(os.environ.get("BENCH_INBOX_ROUNDS", "3"))

@@ -1,6 +1,6 @@
 """Relay drain: 200,000 pending events (~300-byte payloads, 1,000 keys) published by the real
-relay (``python -m relay run`` in a subprocess) vs a raw aiokafka producer sending the same
-records from memory with the same producer settings, in the same run.
+relay (``python -m ledgerbox.relay run`` in a subprocess) vs a raw aiokafka producer sending
+the same records from memory with the same producer settings, in the same run.
 
 Figures: ``relay_events_per_s`` (from the first row marked to the last: startup excluded),
 ``raw_producer_events_per_s``, ``relay_vs_raw_ratio`` (target >= 0.8),
@@ -39,7 +39,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import fresh_database, kafka_bootstrap, median, write_result
-from outbox import kafka_headers, timestamp_ms
+from ledgerbox.outbox import kafka_headers, timestamp_ms
 
 EVENTS = int(os.environ.get("BENCH_RELAY_EVENTS", "200000"))
 ROUNDS = int(os.environ.get("BENCH_RELAY_ROUNDS", "3"))
@@ -123,7 +123,7 @@ def _relay_drain(url: str, bootstrap: str, processes: int = 1) -> tuple[float, f
     with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
         total = _pending(conn)
     procs = [
-        subprocess.Popen([sys.executable, "-m", "relay", "run"], cwd=REPO, env=env)
+        subprocess.Popen([sys.executable, "-m", "ledgerbox.relay", "run"], cwd=REPO, env=env)
         for _ in range(processes)
     ]
     try:

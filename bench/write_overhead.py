@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from bench._common import fresh_database, median, write_result
-from outbox import OutboxWriter, TopicRouter, idempotency_key
+from ledgerbox.outbox import OutboxWriter, TopicRouter, idempotency_key
 
 TRANSACTIONS = 2_000
 ROUNDS = 3

@@ -141,7 +141,7 @@ def prepare_database(url: str, metadata: sa.MetaData) -> None:
 
     Idempotent. Business tables use ``create_all`` (see the module docstring).
     """
-    from migrations import upgrade_database
+    from ledgerbox.migrations import upgrade_database
 
     ensure_database(url)
     upgrade_database(url)

@@ -17,20 +17,29 @@ event finds the row and is acknowledged without running the handler (G4). Redis 
 this up (G6). See ``DESIGN.md`` section 4.
 """
 
-from inbox._config import ConsumerConfig
-from inbox._consumer import InboxConsumer
-from inbox._context import HandlerContext
-from inbox._errors import (
+if __name__ != "ledgerbox.inbox":  # the repository folder is importable from its root too
+    raise ImportError(f"import ledgerbox.inbox, not {__name__} (one import package: ledgerbox)")
+
+
+from ledgerbox.inbox._config import ConsumerConfig
+from ledgerbox.inbox._consumer import InboxConsumer
+from ledgerbox.inbox._context import HandlerContext
+from ledgerbox.inbox._errors import (
     FencedWriteError,
     InboxError,
     LockBusyError,
     RedisUnavailableError,
     VersionConflictError,
 )
-from inbox._policy import Outcome
-from inbox._redis import AggregateLock, DedupStore, RedisAggregateLock, RedisDedupStore
-from inbox._table import InboxStatus, InboxTable
-from inbox._versioned import afenced_update, aupdate_versioned, fenced_update, update_versioned
+from ledgerbox.inbox._policy import Outcome
+from ledgerbox.inbox._redis import AggregateLock, DedupStore, RedisAggregateLock, RedisDedupStore
+from ledgerbox.inbox._table import InboxStatus, InboxTable
+from ledgerbox.inbox._versioned import (
+    afenced_update,
+    aupdate_versioned,
+    fenced_update,
+    update_versioned,
+)
 
 __all__ = [
     "AggregateLock",

@@ -1,5 +1,5 @@
-"""``python -m inbox run --app module:attribute``."""
+"""``python -m ledgerbox.inbox run --app module:attribute``."""
 
-from inbox._cli import app
+from ledgerbox.inbox._cli import app
 
 app()

@@ -15,19 +15,19 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from inbox._context import HandlerContext
-from inbox._handlers import Registered
-from inbox._message import MessagePipeline
-from inbox._policy import Outcome
-from inbox._record import Parsed, Record, parse_record, record_timestamp_ms
-from outbox import EventEnvelope
+from ledgerbox.inbox._context import HandlerContext
+from ledgerbox.inbox._handlers import Registered
+from ledgerbox.inbox._message import MessagePipeline
+from ledgerbox.inbox._policy import Outcome
+from ledgerbox.inbox._record import Parsed, Record, parse_record, record_timestamp_ms
+from ledgerbox.outbox import EventEnvelope
 
 if TYPE_CHECKING:
-    from inbox._consumer import InboxConsumer
+    from ledgerbox.inbox._consumer import InboxConsumer
 
 __all__ = ["BatchPipeline"]
 
-_log = logging.getLogger("inbox")
+_log = logging.getLogger("ledgerbox.inbox")
 
 
 class BatchPipeline:

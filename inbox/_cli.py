@@ -1,4 +1,4 @@
-"""``ledgerbox inbox`` / ``python -m inbox``: run a consumer, check its health, purge.
+"""``ledgerbox inbox`` / ``python -m ledgerbox.inbox``: run a consumer, check its health, purge.
 
 Every flag is mirrored by an environment variable (pydantic-settings), e.g. ``--app`` by
 ``LEDGERBOX_INBOX_APP``; connection URLs also read ``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS``
@@ -19,9 +19,9 @@ import typer
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from inbox._config import ConsumerConfig
-from inbox._consumer import InboxConsumer
-from inbox._runner import check_connectivity
+from ledgerbox.inbox._config import ConsumerConfig
+from ledgerbox.inbox._consumer import InboxConsumer
+from ledgerbox.inbox._runner import check_connectivity
 
 __all__ = ["InboxSettings", "app", "load_consumer"]
 

@@ -7,9 +7,9 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from outbox import ConfigurationError
-from outbox._backoff import Backoff
-from outbox._identifiers import sql_identifier
+from ledgerbox._core.backoff import Backoff
+from ledgerbox._core.errors import ConfigurationError
+from ledgerbox._core.identifiers import sql_identifier
 
 __all__ = ["DEFAULT_RETENTION_S", "ConsumerConfig", "RetentionWarning"]
 
@@ -17,7 +17,7 @@ __all__ = ["DEFAULT_RETENTION_S", "ConsumerConfig", "RetentionWarning"]
 #: (7 days): a redelivery can come back as long as the group's committed offsets live.
 DEFAULT_RETENTION_S = 7 * 24 * 3600.0
 
-_log = logging.getLogger("inbox")
+_log = logging.getLogger("ledgerbox.inbox")
 
 
 class RetentionWarning(UserWarning):

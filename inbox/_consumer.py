@@ -20,28 +20,28 @@ from typing import TYPE_CHECKING, Literal
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from inbox._batch import BatchPipeline
-from inbox._config import ConsumerConfig
-from inbox._deadletter import DeadLetterPublisher, KafkaDeadLetterPublisher, RecordParker
-from inbox._gate import RedisGate
-from inbox._handlers import ConsumerHooks, Handler, Registered
-from inbox._message import MessagePipeline
-from inbox._metrics import GroupMetrics
-from inbox._policy import Outcome
-from inbox._record import Record, never
-from inbox._redis import (
+from ledgerbox.inbox._batch import BatchPipeline
+from ledgerbox.inbox._config import ConsumerConfig
+from ledgerbox.inbox._deadletter import DeadLetterPublisher, KafkaDeadLetterPublisher, RecordParker
+from ledgerbox.inbox._gate import RedisGate
+from ledgerbox.inbox._handlers import ConsumerHooks, Handler, Registered
+from ledgerbox.inbox._message import MessagePipeline
+from ledgerbox.inbox._metrics import GroupMetrics
+from ledgerbox.inbox._policy import Outcome
+from ledgerbox.inbox._record import Record, never
+from ledgerbox.inbox._redis import (
     AggregateLock,
     DedupStore,
     RedisAggregateLock,
     RedisDedupStore,
     redis_client,
 )
-from inbox._store import InboxStore
-from inbox._table import InboxTable
-from inbox._tx import AsyncTx, SyncTx, Tx
+from ledgerbox.inbox._store import InboxStore
+from ledgerbox.inbox._table import InboxTable
+from ledgerbox.inbox._tx import AsyncTx, SyncTx, Tx
 
 if TYPE_CHECKING:
-    from inbox._runner import KafkaRunner
+    from ledgerbox.inbox._runner import KafkaRunner
 
 __all__ = ["ConsumerHooks", "Handler", "InboxConsumer", "Record"]
 
@@ -233,7 +233,7 @@ class InboxConsumer:
         int
             Rows deleted.
         """
-        from outbox import ConfigurationError
+        from ledgerbox._core.errors import ConfigurationError
 
         age_s = self.config.retention_s if older_than_s is None else older_than_s
         if age_s < self.config.retention_s:
@@ -263,7 +263,7 @@ class InboxConsumer:
         revoked partitions' in-flight records finish and their offsets commit before the
         partitions are given up. Resources this consumer created are released at the end.
         """
-        from inbox._runner import KafkaRunner
+        from ledgerbox.inbox._runner import KafkaRunner
 
         runner = KafkaRunner(self)
         self._runner = runner

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from inbox._errors import DeadLetterError
-from inbox._policy import ErrorClass, Outcome, classify
-from inbox._record import Abandon, Record, record_identity, sleep_unless_abandoned
-from outbox import EventEnvelope
+from ledgerbox.inbox._errors import DeadLetterError
+from ledgerbox.inbox._policy import ErrorClass, Outcome, classify
+from ledgerbox.inbox._record import Abandon, Record, record_identity, sleep_unless_abandoned
+from ledgerbox.outbox import EventEnvelope
 
 if TYPE_CHECKING:
-    from inbox._consumer import InboxConsumer
+    from ledgerbox.inbox._consumer import InboxConsumer
 
 __all__ = [
     "H_ATTEMPTS",
@@ -34,7 +34,7 @@ __all__ = [
     "dead_letter_headers",
 ]
 
-_log = logging.getLogger("inbox")
+_log = logging.getLogger("ledgerbox.inbox")
 
 H_ERROR_TYPE = "ledgerbox_error_type"
 H_ERROR_MESSAGE = "ledgerbox_error_message"

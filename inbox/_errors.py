@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from outbox import LedgerboxError
+from ledgerbox._core.errors import LedgerboxError
 
 __all__ = [
     "DeadLetterError",
@@ -34,7 +34,7 @@ __all__ = [
 class InboxError(LedgerboxError):
     """Root of the errors raised by the inbox consumer and its helpers."""
 
-    __module__ = "inbox"
+    __module__ = "ledgerbox.inbox"
 
 
 class VersionConflictError(InboxError):
@@ -53,7 +53,7 @@ class VersionConflictError(InboxError):
         The version the caller expected.
     """
 
-    __module__ = "inbox"
+    __module__ = "ledgerbox.inbox"
 
     def __init__(self, table: str, key: Mapping[str, Any], expected_version: int) -> None:
         super().__init__(
@@ -78,7 +78,7 @@ class FencedWriteError(InboxError):
         The (stale) token of the caller.
     """
 
-    __module__ = "inbox"
+    __module__ = "ledgerbox.inbox"
 
     def __init__(self, table: str, key: Mapping[str, Any], fencing_token: int) -> None:
         super().__init__(
@@ -93,16 +93,16 @@ class FencedWriteError(InboxError):
 class LockBusyError(InboxError):
     """The per-aggregate lock was held by another worker for the whole wait (retried)."""
 
-    __module__ = "inbox"
+    __module__ = "ledgerbox.inbox"
 
 
 class RedisUnavailableError(InboxError):
     """Redis did not answer in time or refused the command. Never fatal: the DB is the truth."""
 
-    __module__ = "inbox"
+    __module__ = "ledgerbox.inbox"
 
 
 class DeadLetterError(InboxError):
     """The dead-letter record could not be written to Kafka; the offset is not committed."""
 
-    __module__ = "inbox"
+    __module__ = "ledgerbox.inbox"

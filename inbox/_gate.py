@@ -14,13 +14,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from inbox._errors import RedisUnavailableError
-from inbox._metrics import REDIS_DEGRADED
+from ledgerbox.inbox._errors import RedisUnavailableError
+from ledgerbox.inbox._metrics import REDIS_DEGRADED
 
 __all__ = ["RedisGate"]
 
 T = TypeVar("T")
-_log = logging.getLogger("inbox")
+_log = logging.getLogger("ledgerbox.inbox")
 
 
 class RedisGate:

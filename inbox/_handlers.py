@@ -6,9 +6,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from inbox._context import HandlerContext
-from inbox._policy import Outcome
-from outbox import EventEnvelope
+from ledgerbox.inbox._context import HandlerContext
+from ledgerbox.inbox._policy import Outcome
+from ledgerbox.outbox import EventEnvelope
 
 __all__ = ["ConsumerHooks", "Handler", "Registered"]
 

@@ -28,11 +28,11 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from inbox._context import HandlerContext
-from inbox._errors import FencedWriteError, LockBusyError, VersionConflictError
-from inbox._handlers import Registered
-from inbox._policy import ErrorClass, Outcome, classify, should_retry
-from inbox._record import (
+from ledgerbox.inbox._context import HandlerContext
+from ledgerbox.inbox._errors import FencedWriteError, LockBusyError, VersionConflictError
+from ledgerbox.inbox._handlers import Registered
+from ledgerbox.inbox._policy import ErrorClass, Outcome, classify, should_retry
+from ledgerbox.inbox._record import (
     Abandon,
     Parsed,
     Record,
@@ -40,15 +40,15 @@ from inbox._record import (
     record_timestamp_ms,
     sleep_unless_abandoned,
 )
-from inbox._redis import LockLease, new_token
-from outbox import EnvelopeParseError, EventEnvelope
+from ledgerbox.inbox._redis import LockLease, new_token
+from ledgerbox.outbox import EnvelopeParseError, EventEnvelope
 
 if TYPE_CHECKING:
-    from inbox._consumer import InboxConsumer
+    from ledgerbox.inbox._consumer import InboxConsumer
 
 __all__ = ["STALL_AFTER_COMMIT_ENV", "MessagePipeline"]
 
-_log = logging.getLogger("inbox")
+_log = logging.getLogger("ledgerbox.inbox")
 
 #: Test-only: when set to a file path, the consumer creates that file right after a handler's
 #: database commit and then stalls before anything else (Redis "done", offset commit), so a

@@ -9,9 +9,9 @@ import asyncio
 import enum
 from collections.abc import Iterator
 
-from inbox._errors import FencedWriteError, LockBusyError, VersionConflictError
-from inbox._table import InboxStatus
-from outbox import EnvelopeParseError
+from ledgerbox.inbox._errors import FencedWriteError, LockBusyError, VersionConflictError
+from ledgerbox.inbox._table import InboxStatus
+from ledgerbox.outbox import EnvelopeParseError
 
 __all__ = [
     "ErrorClass",

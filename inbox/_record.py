@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from outbox import EnvelopeParseError, EventEnvelope, envelope_from_kafka
+from ledgerbox.outbox import EnvelopeParseError, EventEnvelope, envelope_from_kafka
 
 __all__ = [
     "Abandon",

@@ -25,7 +25,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from inbox._errors import RedisUnavailableError
+from ledgerbox.inbox._errors import RedisUnavailableError
 
 __all__ = [
     "AggregateLock",

@@ -22,16 +22,16 @@ from aiokafka.errors import KafkaError
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from inbox._config import ConsumerConfig
-from inbox._policy import Outcome
-from inbox._redis import RedisDedupStore, redis_client
+from ledgerbox.inbox._config import ConsumerConfig
+from ledgerbox.inbox._policy import Outcome
+from ledgerbox.inbox._redis import RedisDedupStore, redis_client
 
 if TYPE_CHECKING:
-    from inbox._consumer import InboxConsumer
+    from ledgerbox.inbox._consumer import InboxConsumer
 
 __all__ = ["KafkaRunner", "check_connectivity"]
 
-_log = logging.getLogger("inbox")
+_log = logging.getLogger("ledgerbox.inbox")
 
 
 class KafkaRunner:

@@ -17,8 +17,8 @@ from typing import Any, LiteralString
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from inbox._table import InboxTable
-from inbox._tx import Tx
+from ledgerbox.inbox._table import InboxTable
+from ledgerbox.inbox._tx import Tx
 
 __all__ = ["InboxStore"]
 

@@ -7,7 +7,7 @@ import enum
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 
-from outbox._identifiers import sql_identifier
+from ledgerbox._core.identifiers import sql_identifier
 
 __all__ = ["InboxStatus", "InboxTable"]
 

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from inbox._errors import FencedWriteError, VersionConflictError
+from ledgerbox.inbox._errors import FencedWriteError, VersionConflictError
 
 __all__ = ["afenced_update", "aupdate_versioned", "fenced_update", "update_versioned"]
 

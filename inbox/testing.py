@@ -12,10 +12,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from inbox._errors import RedisUnavailableError
-from inbox._redis import LockLease, new_token
-from outbox import EventEnvelope, kafka_headers
-from outbox._envelope import dumps_payload
+from ledgerbox.inbox._errors import RedisUnavailableError
+from ledgerbox.inbox._redis import LockLease, new_token
+from ledgerbox.outbox import EventEnvelope, kafka_headers
+from ledgerbox.outbox._envelope import dumps_payload
 
 __all__ = [
     "FakeRecord",

@@ -3,8 +3,8 @@
 ::
 
     ledgerbox migrate                 create/upgrade the ledgerbox tables (Alembic)
-    ledgerbox relay run|check|status  the outbox relay daemon (see ``python -m relay --help``)
-    ledgerbox consumer run|check|purge  an inbox consumer (see ``python -m inbox --help``)
+    ledgerbox relay run|check|status  the outbox relay daemon
+    ledgerbox consumer run|check|purge  an inbox consumer
 
 Every flag is mirrored by an environment variable (``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS``,
 ``REDIS_URL``, ``LEDGERBOX_*``); ``check`` commands report health in their exit code.
@@ -23,8 +23,8 @@ __all__ = ["app", "main"]
 #: Sub-command groups, imported only when used: ``ledgerbox relay run`` does not load the
 #: inbox (SQLAlchemy, Redis client), which keeps the relay daemon's memory down.
 _LAZY = {
-    "relay": ("relay._cli", "app"),
-    "consumer": ("inbox._cli", "app"),
+    "relay": ("ledgerbox.relay._cli", "app"),
+    "consumer": ("ledgerbox.inbox._cli", "app"),
 }
 
 
@@ -70,8 +70,8 @@ def migrate(
     """Create or upgrade the outbox, inbox and relay tables (idempotent)."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    import migrations
-    from outbox import LedgerboxError
+    from ledgerbox import migrations
+    from ledgerbox._core.errors import LedgerboxError
 
     names = migrations.Names(schema=schema, outbox_table=outbox_table, inbox_table=inbox_table)
     try:

@@ -7,12 +7,17 @@ Alembic environment, call the helpers in :mod:`migrations.ops` inside your revis
 
 from __future__ import annotations
 
+if __name__ != "ledgerbox.migrations":  # the repository folder is importable from its root too
+    raise ImportError(
+        f"import ledgerbox.migrations, not {__name__} (one import package: ledgerbox)"
+    )
+
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 
-from migrations._names import Names, target_metadata
+from ledgerbox.migrations._names import Names, target_metadata
 
 __all__ = ["VERSION_TABLE", "Names", "alembic_config", "target_metadata", "upgrade_database"]
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from inbox._table import InboxTable
-from outbox._table import OutboxTable
-from relay._table import RelayTables
+from ledgerbox.inbox._table import InboxTable
+from ledgerbox.outbox._table import OutboxTable
+from ledgerbox.relay._table import RelayTables
 
 __all__ = ["Names", "target_metadata"]
 

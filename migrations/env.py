@@ -5,9 +5,9 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context
 
-from migrations import VERSION_TABLE
-from migrations._names import Names, target_metadata
-from outbox._identifiers import sql_identifier
+from ledgerbox._core.identifiers import sql_identifier
+from ledgerbox.migrations import VERSION_TABLE
+from ledgerbox.migrations._names import Names, target_metadata
 
 config = context.config
 names = Names.resolve(context.get_x_argument(as_dictionary=True), config.attributes)

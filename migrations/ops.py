@@ -2,7 +2,7 @@
 
 Use them from your own Alembic environment::
 
-    from migrations import ops
+    from ledgerbox.migrations import ops
     def upgrade():
         ops.create_outbox_v1(op, table="outbox", schema=None)
 
@@ -17,8 +17,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 
-from outbox._identifiers import sql_identifier
-from outbox._table import OutboxTable
+from ledgerbox._core.identifiers import sql_identifier
+from ledgerbox.outbox._table import OutboxTable
 
 __all__ = [
     "create_inbox_v1",

@@ -7,7 +7,7 @@ Create Date: ${create_date}
 
 from alembic import op
 
-from migrations import ops
+from ledgerbox.migrations import ops
 
 revision = ${repr(up_revision)}
 down_revision = ${repr(down_revision)}

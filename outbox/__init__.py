@@ -16,13 +16,18 @@ Names are imported on first use (PEP 562): ``import outbox`` is cheap, and a pro
 needs only light parts (the relay daemon) never loads SQLAlchemy or pydantic.
 """
 
+if __name__ != "ledgerbox.outbox":  # the repository folder is importable from its root too
+    raise ImportError(f"import ledgerbox.outbox, not {__name__} (one import package: ledgerbox)")
+
+
 from typing import TYPE_CHECKING
 
-from outbox._lazy import lazy_exports
+from ledgerbox._core.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from outbox._envelope import EventEnvelope, idempotency_key
-    from outbox._errors import (
+    from ledgerbox._core.names import DEFAULT_SHARD_COUNT
+    from ledgerbox.outbox._envelope import EventEnvelope, idempotency_key
+    from ledgerbox.outbox._errors import (
         ConfigurationError,
         DuplicateEventError,
         EnvelopeParseError,
@@ -32,11 +37,15 @@ if TYPE_CHECKING:
         PayloadTooLargeError,
         UnroutedEventError,
     )
-    from outbox._names import DEFAULT_SHARD_COUNT
-    from outbox._routing import TopicRouter
-    from outbox._table import EventStatus, OutboxTable, shard_of
-    from outbox._wire import envelope_from_kafka, kafka_headers, timestamp_ms
-    from outbox._writer import DEFAULT_MAX_PAYLOAD_BYTES, OutboxWriter, Staged, envelope_from_row
+    from ledgerbox.outbox._routing import TopicRouter
+    from ledgerbox.outbox._table import EventStatus, OutboxTable, shard_of
+    from ledgerbox.outbox._wire import envelope_from_kafka, kafka_headers, timestamp_ms
+    from ledgerbox.outbox._writer import (
+        DEFAULT_MAX_PAYLOAD_BYTES,
+        OutboxWriter,
+        Staged,
+        envelope_from_row,
+    )
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -68,27 +77,27 @@ if not TYPE_CHECKING:  # type checkers see the imports above, so typos stay erro
         __name__,
         globals(),
         {
-            "ConfigurationError": "outbox._errors",
-            "DEFAULT_MAX_PAYLOAD_BYTES": "outbox._writer",
-            "DEFAULT_SHARD_COUNT": "outbox._names",
-            "DuplicateEventError": "outbox._errors",
-            "EnvelopeParseError": "outbox._errors",
-            "EventEnvelope": "outbox._envelope",
-            "EventStatus": "outbox._table",
-            "EventValidationError": "outbox._errors",
-            "LedgerboxError": "outbox._errors",
-            "NaiveDatetimeError": "outbox._errors",
-            "OutboxTable": "outbox._table",
-            "OutboxWriter": "outbox._writer",
-            "PayloadTooLargeError": "outbox._errors",
-            "Staged": "outbox._writer",
-            "TopicRouter": "outbox._routing",
-            "UnroutedEventError": "outbox._errors",
-            "envelope_from_kafka": "outbox._wire",
-            "envelope_from_row": "outbox._writer",
-            "idempotency_key": "outbox._envelope",
-            "kafka_headers": "outbox._wire",
-            "shard_of": "outbox._table",
-            "timestamp_ms": "outbox._wire",
+            "ConfigurationError": "ledgerbox.outbox._errors",
+            "DEFAULT_MAX_PAYLOAD_BYTES": "ledgerbox.outbox._writer",
+            "DEFAULT_SHARD_COUNT": "ledgerbox._core.names",
+            "DuplicateEventError": "ledgerbox.outbox._errors",
+            "EnvelopeParseError": "ledgerbox.outbox._errors",
+            "EventEnvelope": "ledgerbox.outbox._envelope",
+            "EventStatus": "ledgerbox.outbox._table",
+            "EventValidationError": "ledgerbox.outbox._errors",
+            "LedgerboxError": "ledgerbox.outbox._errors",
+            "NaiveDatetimeError": "ledgerbox.outbox._errors",
+            "OutboxTable": "ledgerbox.outbox._table",
+            "OutboxWriter": "ledgerbox.outbox._writer",
+            "PayloadTooLargeError": "ledgerbox.outbox._errors",
+            "Staged": "ledgerbox.outbox._writer",
+            "TopicRouter": "ledgerbox.outbox._routing",
+            "UnroutedEventError": "ledgerbox.outbox._errors",
+            "envelope_from_kafka": "ledgerbox.outbox._wire",
+            "envelope_from_row": "ledgerbox.outbox._writer",
+            "idempotency_key": "ledgerbox.outbox._envelope",
+            "kafka_headers": "ledgerbox.outbox._wire",
+            "shard_of": "ledgerbox.outbox._table",
+            "timestamp_ms": "ledgerbox.outbox._wire",
         },
     )

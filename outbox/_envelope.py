@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import to_jsonable_python
 
-from outbox._errors import EventValidationError, NaiveDatetimeError
+from ledgerbox.outbox._errors import EventValidationError, NaiveDatetimeError
 
 __all__ = ["EventEnvelope", "dumps_payload", "idempotency_key", "to_json_payload"]
 

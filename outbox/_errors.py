@@ -1,23 +1,8 @@
-"""The error tree of ledgerbox: one root, every public error below it.
-
-::
-
-    LedgerboxError
-    ├── ConfigurationError            bad table/schema name, bad setting
-    ├── EventValidationError          (also ValueError) an event cannot be written
-    │   ├── NaiveDatetimeError        a datetime without tzinfo in the envelope or payload
-    │   ├── PayloadTooLargeError      serialized payload above ``max_payload_bytes``
-    │   └── UnroutedEventError        no topic route for the event type / aggregate type
-    ├── EnvelopeParseError            (also ValueError) a Kafka record is not a ledgerbox event
-    ├── DuplicateEventError           an idempotency key was already written (see ``is_duplicate``)
-    ├── relay.RelayError              defined in ``relay``
-    └── inbox.InboxError              defined in ``inbox``
-
-Driver errors (psycopg, aiokafka, redis) are translated into these only at the storage and
-broker seams, classified by SQLSTATE or error class, never by message text.
-"""
+"""Errors of ``ledgerbox.outbox`` (the whole tree: :mod:`ledgerbox._core.errors`)."""
 
 from __future__ import annotations
+
+from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 
 __all__ = [
     "ConfigurationError",
@@ -31,22 +16,10 @@ __all__ = [
 ]
 
 
-class LedgerboxError(Exception):
-    """Root of every error raised by ledgerbox (``outbox``, ``relay``, ``inbox``)."""
-
-    __module__ = "outbox"
-
-
-class ConfigurationError(LedgerboxError, ValueError):
-    """A configuration value is invalid (e.g. a table name that is not a SQL identifier)."""
-
-    __module__ = "outbox"
-
-
 class EventValidationError(LedgerboxError, ValueError):
     """An event cannot be written as given. Raised at write time; nothing was staged."""
 
-    __module__ = "outbox"
+    __module__ = "ledgerbox.outbox"
 
 
 class NaiveDatetimeError(EventValidationError):
@@ -58,7 +31,7 @@ class NaiveDatetimeError(EventValidationError):
         Where the value was found, e.g. ``"payload.created_at"``.
     """
 
-    __module__ = "outbox"
+    __module__ = "ledgerbox.outbox"
 
     def __init__(self, path: str) -> None:
         super().__init__(f"naive datetime at {path!r}: only timezone-aware datetimes are allowed")
@@ -76,7 +49,7 @@ class PayloadTooLargeError(EventValidationError):
         The configured limit in bytes (default 1 MiB, Kafka's default ``max.message.bytes``).
     """
 
-    __module__ = "outbox"
+    __module__ = "ledgerbox.outbox"
 
     def __init__(self, size_bytes: int, max_bytes: int) -> None:
         super().__init__(f"payload is {size_bytes} bytes, above the limit of {max_bytes} bytes")
@@ -87,7 +60,7 @@ class PayloadTooLargeError(EventValidationError):
 class UnroutedEventError(EventValidationError):
     """No topic is configured for the event type nor for its aggregate type."""
 
-    __module__ = "outbox"
+    __module__ = "ledgerbox.outbox"
 
     def __init__(self, event_type: str, aggregate_type: str) -> None:
         super().__init__(
@@ -101,7 +74,7 @@ class UnroutedEventError(EventValidationError):
 class EnvelopeParseError(LedgerboxError, ValueError):
     """A Kafka record could not be read as a ledgerbox event (bad bytes, headers or fields)."""
 
-    __module__ = "outbox"
+    __module__ = "ledgerbox.outbox"
 
 
 class DuplicateEventError(LedgerboxError):
@@ -113,7 +86,7 @@ class DuplicateEventError(LedgerboxError):
         The duplicated key when it is known, else ``None``.
     """
 
-    __module__ = "outbox"
+    __module__ = "ledgerbox.outbox"
 
     def __init__(self, idempotency_key: str | None) -> None:
         super().__init__(f"an event with idempotency key {idempotency_key!r} was already written")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from outbox._errors import UnroutedEventError
-from outbox._identifiers import kafka_topic
+from ledgerbox._core.identifiers import kafka_topic
+from ledgerbox.outbox._errors import UnroutedEventError
 
 __all__ = ["TopicRouter"]
 

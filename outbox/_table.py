@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.orm import registry
 
-from outbox._identifiers import sql_identifier
-from outbox._names import DEFAULT_SHARD_COUNT
+from ledgerbox._core.identifiers import sql_identifier
+from ledgerbox._core.names import DEFAULT_SHARD_COUNT
 
 __all__ = ["DEFAULT_SHARD_COUNT", "EventStatus", "OutboxTable", "shard_of"]
 
@@ -75,7 +75,7 @@ class OutboxTable:
         metadata: sa.MetaData | None = None,
         shard_count: int = DEFAULT_SHARD_COUNT,
     ) -> None:
-        from outbox._errors import ConfigurationError
+        from ledgerbox._core.errors import ConfigurationError
 
         self.name = sql_identifier(name, "outbox table name")
         self.schema = None if schema is None else sql_identifier(schema, "schema")

@@ -17,9 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from outbox._envelope import EventEnvelope
-from outbox._errors import EnvelopeParseError
-from outbox._names import (
+from ledgerbox._core.names import (
     CONTENT_TYPE,
     H_AGG_ID,
     H_AGG_TYPE,
@@ -33,6 +31,8 @@ from outbox._names import (
     H_TYPE,
     KNOWN_HEADERS,
 )
+from ledgerbox.outbox._envelope import EventEnvelope
+from ledgerbox.outbox._errors import EnvelopeParseError
 
 __all__ = ["CONTENT_TYPE", "envelope_from_kafka", "kafka_headers", "timestamp_ms"]
 

@@ -20,16 +20,16 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from outbox._envelope import EventEnvelope, dumps_payload, to_json_payload
-from outbox._errors import (
+from ledgerbox.outbox._envelope import EventEnvelope, dumps_payload, to_json_payload
+from ledgerbox.outbox._errors import (
     ConfigurationError,
     EventValidationError,
     NaiveDatetimeError,
     PayloadTooLargeError,
 )
-from outbox._routing import TopicRouter
-from outbox._table import OutboxTable, shard_of
-from outbox._trace import current_trace_headers
+from ledgerbox.outbox._routing import TopicRouter
+from ledgerbox.outbox._table import OutboxTable, shard_of
+from ledgerbox.outbox._trace import current_trace_headers
 
 __all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "OutboxWriter", "Staged", "envelope_from_row"]
 

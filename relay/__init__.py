@@ -7,20 +7,24 @@ Example
 >>> relay = Relay(config)
 >>> await relay.run()            # doctest: +SKIP  (until relay.stop())
 
-Run it as a daemon with ``python -m relay run`` (see ``relay/_cli.py``). The read design is
+Run it as a daemon with ``ledgerbox relay run`` (see ``relay/_cli.py``). The read design is
 documented in ``relay._relay`` and ``docs/relay.md``.
 """
 
+if __name__ != "ledgerbox.relay":  # the repository folder is importable from its root too
+    raise ImportError(f"import ledgerbox.relay, not {__name__} (one import package: ledgerbox)")
+
+
 from typing import TYPE_CHECKING
 
-from outbox._lazy import lazy_exports
+from ledgerbox._core.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from relay._config import RelayConfig
-    from relay._errors import RelayError, StoreError
-    from relay._publisher import KafkaPublisher, OutboundRecord, Publisher
-    from relay._relay import Relay
-    from relay._table import RelayTables
+    from ledgerbox.relay._config import RelayConfig
+    from ledgerbox.relay._errors import RelayError, StoreError
+    from ledgerbox.relay._publisher import KafkaPublisher, OutboundRecord, Publisher
+    from ledgerbox.relay._relay import Relay
+    from ledgerbox.relay._table import RelayTables
 
 __all__ = [
     "KafkaPublisher",
@@ -39,13 +43,13 @@ if not TYPE_CHECKING:  # type checkers see the imports above, so typos stay erro
         __name__,
         globals(),
         {
-            "KafkaPublisher": "relay._publisher",
-            "OutboundRecord": "relay._publisher",
-            "Publisher": "relay._publisher",
-            "Relay": "relay._relay",
-            "RelayConfig": "relay._config",
-            "RelayError": "relay._errors",
-            "RelayTables": "relay._table",
-            "StoreError": "relay._errors",
+            "KafkaPublisher": "ledgerbox.relay._publisher",
+            "OutboundRecord": "ledgerbox.relay._publisher",
+            "Publisher": "ledgerbox.relay._publisher",
+            "Relay": "ledgerbox.relay._relay",
+            "RelayConfig": "ledgerbox.relay._config",
+            "RelayError": "ledgerbox.relay._errors",
+            "RelayTables": "ledgerbox.relay._table",
+            "StoreError": "ledgerbox.relay._errors",
         },
     )

@@ -1,5 +1,5 @@
-"""``python -m relay run|check|status``."""
+"""``python -m ledgerbox.relay run|check|status``."""
 
-from relay._cli import main
+from ledgerbox.relay._cli import main
 
 main()

@@ -16,11 +16,11 @@ import typer
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from outbox import LedgerboxError
-from relay._config import Compression, OnDead, RelayConfig
-from relay._publisher import KafkaPublisher
-from relay._relay import Relay
-from relay._store import RelayStore
+from ledgerbox._core.errors import LedgerboxError
+from ledgerbox.relay._config import Compression, OnDead, RelayConfig
+from ledgerbox.relay._publisher import KafkaPublisher
+from ledgerbox.relay._relay import Relay
+from ledgerbox.relay._store import RelayStore
 
 __all__ = ["RelaySettings", "app", "main"]
 
@@ -156,9 +156,9 @@ async def _run(config: RelayConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, relay.stop)
-    logging.getLogger("relay").info("relay %s starting", config.member_id)
+    logging.getLogger("ledgerbox.relay").info("relay %s starting", config.member_id)
     await relay.run()
-    logging.getLogger("relay").info("relay %s stopped", config.member_id)
+    logging.getLogger("ledgerbox.relay").info("relay %s stopped", config.member_id)
 
 
 def _config(settings: RelaySettings) -> RelayConfig:
@@ -268,5 +268,5 @@ def _ranges(values: list[int]) -> str:
 
 
 def main() -> None:
-    """Entry point of ``python -m relay``."""
+    """Entry point of ``python -m ledgerbox.relay``."""
     app()

@@ -8,9 +8,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-from outbox._errors import ConfigurationError
-from outbox._identifiers import sql_identifier
-from outbox._names import DEFAULT_SHARD_COUNT
+from ledgerbox._core.errors import ConfigurationError
+from ledgerbox._core.identifiers import sql_identifier
+from ledgerbox._core.names import DEFAULT_SHARD_COUNT
 
 __all__ = ["Compression", "OnDead", "RelayConfig"]
 

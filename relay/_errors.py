@@ -13,7 +13,7 @@ classified by SQLSTATE, never by message text. Kafka errors are classified by cl
 
 from __future__ import annotations
 
-from outbox import LedgerboxError
+from ledgerbox._core.errors import LedgerboxError
 
 __all__ = ["RelayError", "StoreError"]
 
@@ -21,7 +21,7 @@ __all__ = ["RelayError", "StoreError"]
 class RelayError(LedgerboxError):
     """Root of the relay's errors."""
 
-    __module__ = "relay"
+    __module__ = "ledgerbox.relay"
 
 
 class StoreError(RelayError):
@@ -36,7 +36,7 @@ class StoreError(RelayError):
         40P01, 57P0x, 53xxx, 55P03); ``False`` for schema or permission errors.
     """
 
-    __module__ = "relay"
+    __module__ = "ledgerbox.relay"
 
     def __init__(self, message: str, *, sqlstate: str | None, transient: bool) -> None:
         super().__init__(message)

@@ -21,7 +21,7 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 __all__ = ["TEST_SEND_DELAY_ENV", "KafkaPublisher", "OutboundRecord", "Publisher"]
 
-log = logging.getLogger("relay.publisher")
+log = logging.getLogger("ledgerbox.relay.publisher")
 
 #: TEST-ONLY hook: delay the FIRST send of the process by this many milliseconds (fault case
 #: C03 uses it to widen the race window). Never set it in production.

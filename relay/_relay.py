@@ -79,8 +79,8 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-from outbox._backoff import Backoff
-from outbox._names import (
+from ledgerbox._core.backoff import Backoff
+from ledgerbox._core.names import (
     CONTENT_TYPE,
     H_AGG_ID,
     H_AGG_TYPE,
@@ -94,10 +94,10 @@ from outbox._names import (
     H_TYPE,
     KNOWN_HEADERS,
 )
-from relay import _metrics as m
-from relay._config import RelayConfig
-from relay._errors import StoreError
-from relay._policy import (
+from ledgerbox.relay import _metrics as m
+from ledgerbox.relay._config import RelayConfig
+from ledgerbox.relay._errors import StoreError
+from ledgerbox.relay._policy import (
     LEADER_SHARD,
     ErrorKind,
     LeaseBook,
@@ -105,12 +105,12 @@ from relay._policy import (
     fair_share,
     held_after_reject,
 )
-from relay._publisher import KafkaPublisher, OutboundRecord, Publisher
-from relay._store import ClaimedEvent, RelayStore
+from ledgerbox.relay._publisher import KafkaPublisher, OutboundRecord, Publisher
+from ledgerbox.relay._store import ClaimedEvent, RelayStore
 
 __all__ = ["TEST_MARK_DELAY_ENV", "Relay", "to_record"]
 
-log = logging.getLogger("relay")
+log = logging.getLogger("ledgerbox.relay")
 
 #: TEST-ONLY hook: sleep this many milliseconds between "Kafka confirmed the batch" and
 #: "mark it published" (fault case C02 kills the process in that window). Never set it in

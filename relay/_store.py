@@ -18,12 +18,12 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg import sql
 
-from relay._config import RelayConfig
-from relay._errors import StoreError
+from ledgerbox.relay._config import RelayConfig
+from ledgerbox.relay._errors import StoreError
 
 __all__ = ["ClaimedEvent", "RelayStats", "RelayStore", "is_transient_sqlstate"]
 
-log = logging.getLogger("relay.store")
+log = logging.getLogger("ledgerbox.relay.store")
 
 # What a Kafka record needs, pre-formatted by PostgreSQL as text where Python would otherwise
 # build objects and stringify them again (measured: record building 17 -> ~3 ms per 1000

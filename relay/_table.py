@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from outbox._identifiers import sql_identifier
+from ledgerbox._core.identifiers import sql_identifier
 
 __all__ = ["RelayTables"]
 

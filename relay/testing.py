@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from relay._publisher import OutboundRecord
+from ledgerbox.relay._publisher import OutboundRecord
 
 __all__ = ["InMemoryPublisher"]
 

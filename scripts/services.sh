@@ -21,6 +21,9 @@
 #   XDG_CACHE_HOME       the Kafka jars go to ${XDG_CACHE_HOME:-~/.cache}/outbox-services/kafka-<version>
 #   OUTBOX_KAFKA_VERSION Kafka version to fetch (default 4.1.1; 4.x only)
 #   OUTBOX_SERVICES_TIMEOUT  seconds to wait for a service to answer (default 90)
+#   OUTBOX_PG_PORT, OUTBOX_REDIS_PORT, OUTBOX_KAFKA_PORT, OUTBOX_KAFKA_CONTROLLER_PORT
+#                        ports (defaults 5433, 6380, 9092, 9093); with OUTBOX_SERVICES_DIR they
+#                        let two independent sets of services run side by side
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -28,10 +31,10 @@ CACHE_ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/outbox-services"
 STATE="${OUTBOX_SERVICES_DIR:-$HOME/.cache/outbox-services/state}"
 TIMEOUT="${OUTBOX_SERVICES_TIMEOUT:-90}"
 
-PG_PORT=5433
-REDIS_PORT=6380
-KAFKA_PORT=9092
-KAFKA_CONTROLLER_PORT=9093
+PG_PORT="${OUTBOX_PG_PORT:-5433}"
+REDIS_PORT="${OUTBOX_REDIS_PORT:-6380}"
+KAFKA_PORT="${OUTBOX_KAFKA_PORT:-9092}"
+KAFKA_CONTROLLER_PORT="${OUTBOX_KAFKA_CONTROLLER_PORT:-9093}"
 HOST=127.0.0.1
 
 KAFKA_VERSION="${OUTBOX_KAFKA_VERSION:-4.1.1}"

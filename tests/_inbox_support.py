@@ -10,8 +10,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from inbox.testing import kafka_parts
-from outbox import EventEnvelope, OutboxWriter, TopicRouter
+from ledgerbox.inbox.testing import kafka_parts
+from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter
 
 
 def order_event(

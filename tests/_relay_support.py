@@ -16,8 +16,8 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import EventEnvelope, OutboxWriter, TopicRouter
-from relay import RelayConfig
+from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter
+from ledgerbox.relay import RelayConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,7 +118,7 @@ async def consume(
 def relay_process(
     database_url: str, kafka: str, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    """Start ``python -m relay run`` (the real CLI) in a subprocess."""
+    """Start ``python -m ledgerbox.relay run`` (the real CLI) in a subprocess."""
     full_env = {
         **os.environ,
         "DATABASE_URL": database_url,
@@ -129,7 +129,7 @@ def relay_process(
         **(env or {}),
     }
     return subprocess.Popen(
-        [sys.executable, "-m", "relay", "run", *args],
+        [sys.executable, "-m", "ledgerbox.relay", "run", *args],
         cwd=REPO_ROOT,
         env=full_env,
         stdout=subprocess.DEVNULL,

@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 from sqlalchemy import Engine, create_engine, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-import migrations
+from ledgerbox import migrations
 from tests import _services
 from tests._services import (
     ENV_DATABASE_URL,

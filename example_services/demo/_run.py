@@ -160,9 +160,9 @@ def _define_processes(run: _Run) -> None:
                 *(py, "-m", "uvicorn", "--factory", api, "--host", "127.0.0.1"),
                 *("--port", str(port), "--log-level", "warning", "--no-access-log"),
             ],
-            f"{service}-relay": [py, "-m", "relay", "run"],
+            f"{service}-relay": [py, "-m", "ledgerbox.relay", "run"],
             f"{service}-consumer": [
-                *(py, "-m", "inbox", "run", "--app"),
+                *(py, "-m", "ledgerbox.inbox", "run", "--app"),
                 f"example_services.{service}s.consumer:consumer",
                 *("--metrics-port", str(metrics_port)),
             ],

@@ -15,8 +15,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from example_services.orders._models import OrderStatus, order_events_applied, orders
-from inbox import aupdate_versioned
-from outbox import EventEnvelope
+from ledgerbox.inbox import aupdate_versioned
+from ledgerbox.outbox import EventEnvelope
 
 __all__ = ["PAYMENT_RESULTS", "Applied", "apply_payment_result", "next_status"]
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from example_services._config import ServiceSettings
 from example_services._http import service_app, validate_idempotency_key
 from example_services.orders._models import OrderStatus, metadata, order_events_applied, orders
-from outbox import OutboxWriter, TopicRouter, idempotency_key
+from ledgerbox.outbox import OutboxWriter, TopicRouter, idempotency_key
 
 __all__ = ["OrderOut", "PlaceOrder", "create_app", "order_writer"]
 

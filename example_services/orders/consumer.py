@@ -1,6 +1,6 @@
 """The order service's consumer: payment results -> order status.
 
-Run: ``python -m inbox run --app example_services.orders.consumer:consumer``. The module
+Run: ``python -m ledgerbox.inbox run --app example_services.orders.consumer:consumer``. The module
 attribute ``consumer`` is built on first access from the environment (``ServiceSettings``:
 ``ORDER_DATABASE_URL`` or ``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS``, ``REDIS_URL``,
 ``PAYMENTS_TOPIC``, ``ORDER_CONSUMER_GROUP``), so importing this module needs no environment.
@@ -12,8 +12,8 @@ from typing import Any
 
 from example_services._config import ServiceSettings
 from example_services.orders._handlers import PAYMENT_RESULTS, apply_payment_result
-from inbox import ConsumerConfig, HandlerContext, InboxConsumer
-from outbox import EventEnvelope
+from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer
+from ledgerbox.outbox import EventEnvelope
 
 __all__ = ["create_consumer"]
 

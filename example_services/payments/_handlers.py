@@ -15,8 +15,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from example_services.payments._models import PaymentStatus, payments, wallets
-from inbox import aupdate_versioned
-from outbox import EventEnvelope, OutboxWriter, TopicRouter, idempotency_key
+from ledgerbox.inbox import aupdate_versioned
+from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter, idempotency_key
 
 __all__ = ["SOURCE", "decide", "pay_order", "payment_writer"]
 

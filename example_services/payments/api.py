@@ -26,7 +26,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from example_services._config import ServiceSettings
 from example_services._http import service_app, validate_idempotency_key
 from example_services.payments._models import metadata, payments, wallet_topups, wallets
-from outbox import idempotency_key
+from ledgerbox.outbox import idempotency_key
 
 __all__ = ["TopUp", "create_app"]
 

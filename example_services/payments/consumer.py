@@ -1,6 +1,6 @@
 """The payment service's consumer: ``OrderPlaced`` -> debit, payment row, payment event.
 
-Run: ``python -m inbox run --app example_services.payments.consumer:consumer``. The module
+Run: ``python -m ledgerbox.inbox run --app example_services.payments.consumer:consumer``. The module
 attribute ``consumer`` is built on first access from the environment (``ServiceSettings``:
 ``PAYMENT_DATABASE_URL`` or ``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS``, ``REDIS_URL``,
 ``ORDERS_TOPIC``, ``PAYMENTS_TOPIC``, ``PAYMENT_CONSUMER_GROUP``).
@@ -12,8 +12,8 @@ from typing import Any
 
 from example_services._config import ServiceSettings
 from example_services.payments._handlers import pay_order, payment_writer
-from inbox import ConsumerConfig, HandlerContext, InboxConsumer
-from outbox import EventEnvelope
+from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer
+from ledgerbox.outbox import EventEnvelope
 
 __all__ = ["create_consumer"]
 

@@ -27,8 +27,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from example_services._config import ServiceSettings
 from example_services.payments._handlers import payment_writer
 from example_services.payments._models import PaymentStatus, payments, wallets
-from inbox import VersionConflictError, aupdate_versioned
-from outbox import (
+from ledgerbox.inbox import VersionConflictError, aupdate_versioned
+from ledgerbox.outbox import (
     EnvelopeParseError,
     EventEnvelope,
     OutboxWriter,

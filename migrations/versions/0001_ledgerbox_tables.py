@@ -7,7 +7,8 @@ Create Date: 2026-11-29
 
 from alembic import context, op
 
-from migrations import ops
+from ledgerbox.migrations import ops
+from ledgerbox.migrations._names import Names
 
 revision = "0001"
 down_revision = None
@@ -15,8 +16,9 @@ branch_labels = None
 depends_on = None
 
 
-def _names():  # type: ignore[no-untyped-def]
-    return context.config.attributes["ledgerbox_names"]
+def _names() -> Names:
+    names: Names = context.config.attributes["ledgerbox_names"]
+    return names
 
 
 def upgrade() -> None:

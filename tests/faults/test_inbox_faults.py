@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from inbox import (
+from ledgerbox.inbox import (
     ConsumerConfig,
     FencedWriteError,
     HandlerContext,
@@ -34,10 +34,10 @@ from inbox import (
     aupdate_versioned,
     fenced_update,
 )
-from inbox._consumer import ConsumerHooks
-from inbox._metrics import CONFLICTS, DUPLICATES, REDIS_DEGRADED, RETRIES
-from inbox.testing import kafka_parts, record_for
-from outbox import EventEnvelope, OutboxWriter, TopicRouter
+from ledgerbox.inbox._consumer import ConsumerHooks
+from ledgerbox.inbox._metrics import CONFLICTS, DUPLICATES, REDIS_DEGRADED, RETRIES
+from ledgerbox.inbox.testing import kafka_parts, record_for
+from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter
 from tests._inbox_support import committed, order_event, poll, produce
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ def consumer_for(
 def spawn_cli(app_ref: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "inbox", "run", "--app", app_ref],
+            [sys.executable, "-m", "ledgerbox.inbox", "run", "--app", app_ref],
             cwd=REPO,
             env=env,
             stdout=out,
@@ -285,7 +285,7 @@ async def test_c06_stale_version_conflicts_and_reruns_handler(
     with pytest.raises(VersionConflictError), engine.begin() as conn:
         from sqlalchemy.orm import Session
 
-        from inbox import update_versioned
+        from ledgerbox.inbox import update_versioned
 
         with Session(bind=conn) as session:
             update_versioned(session, accounts, {"id": account}, 1, {"balance": 0})
@@ -391,7 +391,7 @@ async def test_c10_stale_fencing_token_write_is_rejected(
 
 
 def c11_app() -> InboxConsumer:
-    """`python -m inbox run` factory for the C11 crashing worker."""
+    """`python -m ledgerbox.inbox run` factory for the C11 crashing worker."""
     env = os.environ
     return consumer_for(
         env["INBOX_FAULT_DATABASE_URL"],
@@ -490,7 +490,7 @@ async def test_c12_redis_outage_processes_through_db_and_recovers(
         redis_probe_interval_s=0.2,
     )
     task = asyncio.create_task(consumer.run())
-    caplog.set_level(logging.WARNING, logger="inbox")
+    caplog.set_level(logging.WARNING, logger="ledgerbox.inbox")
     try:
         await produce(kafka_bootstrap, topic, [order_event(topic, "E0")])
 
@@ -570,7 +570,7 @@ async def test_c13_poison_record_dead_lettered_and_partition_moves_on(
     headers = dict(parked.headers)
     assert (parked.key, parked.value) == (b"bad-key", b"\xff")
     assert headers["ce_type"] == b"OrderPlaced" and headers["trace"] == b"\x00\x01"
-    assert headers["ledgerbox_error_type"] == b"outbox.EnvelopeParseError"
+    assert headers["ledgerbox_error_type"] == b"ledgerbox.outbox.EnvelopeParseError"
     assert b"not JSON" in headers["ledgerbox_error_message"]
     assert headers["ledgerbox_source_topic"] == topic.encode()
     assert (headers["ledgerbox_source_partition"], headers["ledgerbox_source_offset"]) == (
@@ -588,7 +588,7 @@ async def test_c13_poison_record_dead_lettered_and_partition_moves_on(
 async def test_c13_handler_failing_for_good_is_dead_lettered_with_failed_inbox_row(
     database_url: str, engine: Engine, kafka_bootstrap: str
 ) -> None:
-    from inbox.testing import InMemoryDeadLetterPublisher
+    from ledgerbox.inbox.testing import InMemoryDeadLetterPublisher
 
     group = f"c13b-{uuid.uuid4().hex[:8]}"
     parked = InMemoryDeadLetterPublisher()

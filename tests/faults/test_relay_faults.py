@@ -1,6 +1,6 @@
 """Fault cases of the relay (../shared/cases/CASES.md): C01-C04, C07, C08, C14, outages.
 
-Real PostgreSQL and Apache Kafka; relays run in-process or as real ``python -m relay run``
+Real PostgreSQL and Apache Kafka; relays run in-process or as real ``python -m ledgerbox.relay run``
 subprocesses where the case needs a process to die.
 """
 
@@ -25,8 +25,8 @@ from psycopg import sql as psycopg_sql
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from relay import Relay, StoreError
-from relay._store import CLAIM_BATCH_HOLD, RelayStore
+from ledgerbox.relay import Relay, StoreError
+from ledgerbox.relay._store import CLAIM_BATCH_HOLD, RelayStore
 from tests import _relay_support as rs
 from tests._services import TopicFactory
 
@@ -373,7 +373,7 @@ async def test_c08_writer_killed_after_commit_relay_publishes_later(
         import sys, time
         from sqlalchemy import create_engine
         from sqlalchemy.orm import Session
-        from outbox import OutboxWriter, TopicRouter
+        from ledgerbox.outbox import OutboxWriter, TopicRouter
         TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
         engine = create_engine({database_url!r})
         writer = OutboxWriter(TopicRouter(default={topic!r}), source="/c08")
@@ -420,7 +420,7 @@ async def test_permanent_reject_parks_dead_and_holds_the_key(
 ) -> None:
     from aiokafka.errors import MessageSizeTooLargeError
 
-    from relay.testing import InMemoryPublisher
+    from ledgerbox.relay.testing import InMemoryPublisher
 
     rs.reset_relay_tables(engine)
     writer = rs.writer_for("dead-test")

@@ -17,7 +17,7 @@ import pytest
 from aiokafka import ConsumerRecord
 from sqlalchemy import Engine, text
 
-from relay import Relay
+from ledgerbox.relay import Relay
 from tests import _relay_support as rs
 from tests._services import TopicFactory
 

@@ -149,7 +149,7 @@ async def test_late_payment_result_never_moves_an_order_backwards(
     from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
     from example_services.orders._handlers import Applied, apply_payment_result
-    from outbox import EventEnvelope
+    from ledgerbox.outbox import EventEnvelope
 
     placed = await orders.post(
         "/orders",

@@ -1,4 +1,4 @@
-"""`python -m inbox check` reports ok / degraded / down through its output and exit code."""
+"""`ledgerbox consumer check` reports ok / degraded / down through its output and exit code."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def free_port() -> int:
 def check(*args: str) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEDGERBOX_INBOX_")}
     done = subprocess.run(
-        [sys.executable, "-m", "inbox", "check", *args],
+        [sys.executable, "-m", "ledgerbox.inbox", "check", *args],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -21,10 +21,10 @@ from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
-from inbox._metrics import DUPLICATES, PROCESSED
-from inbox.testing import record_for
-from outbox import EventEnvelope, OutboxTable, OutboxWriter, TopicRouter
+from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
+from ledgerbox.inbox._metrics import DUPLICATES, PROCESSED
+from ledgerbox.inbox.testing import record_for
+from ledgerbox.outbox import EventEnvelope, OutboxTable, OutboxWriter, TopicRouter
 from tests._inbox_support import committed, order_event, poll, produce
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,7 +167,7 @@ async def test_handler_sees_where_and_when_the_record_was_written(
 
 
 def app_from_env() -> InboxConsumer:
-    """Factory for `python -m inbox run --app ...` in a subprocess (see the kill -9 test)."""
+    """Factory for `python -m ledgerbox.inbox run --app ...` in a subprocess (kill -9 test)."""
     env = os.environ
     return make_consumer(
         env["INBOX_IT_DATABASE_URL"],
@@ -185,7 +185,7 @@ def start_cli(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
             [
                 sys.executable,
                 "-m",
-                "inbox",
+                "ledgerbox.inbox",
                 "run",
                 "--app",
                 "tests.integration.test_inbox_consumer:app_from_env",
@@ -389,7 +389,7 @@ async def _count_async(engine: Engine, group: str, at_least: int) -> bool:
 async def test_batch_applies_once_in_order_and_falls_back_one_by_one_on_error(
     database_url: str, engine: Engine, kafka_bootstrap: str
 ) -> None:
-    from inbox.testing import FakeRecord, InMemoryDeadLetterPublisher
+    from ledgerbox.inbox.testing import FakeRecord, InMemoryDeadLetterPublisher
 
     group = f"g-{uuid.uuid4().hex[:8]}"
     parked = InMemoryDeadLetterPublisher()
@@ -450,8 +450,8 @@ async def test_batch_applies_once_in_order_and_falls_back_one_by_one_on_error(
 async def test_replayed_dead_letter_takes_over_its_failed_row_batched_and_alone(
     database_url: str, engine: Engine, kafka_bootstrap: str
 ) -> None:
-    from inbox import InboxStatus
-    from inbox.testing import InMemoryDeadLetterPublisher
+    from ledgerbox.inbox import InboxStatus
+    from ledgerbox.inbox.testing import InMemoryDeadLetterPublisher
 
     group = f"g-{uuid.uuid4().hex[:8]}"
     consumer = InboxConsumer(
@@ -515,7 +515,7 @@ async def test_replayed_dead_letter_takes_over_its_failed_row_batched_and_alone(
 async def test_redis_dedup_store_claims_once_refuses_done_events_and_expires(
     redis_client: Any, redis_prefix: str
 ) -> None:
-    from inbox import RedisDedupStore
+    from ledgerbox.inbox import RedisDedupStore
 
     store = RedisDedupStore(redis_client, redis_prefix)
     event = uuid.uuid4()

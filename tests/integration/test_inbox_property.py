@@ -14,9 +14,9 @@ from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
-from inbox.testing import InMemoryDeadLetterPublisher, InMemoryDedupStore, record_for
-from outbox import EventEnvelope, OutboxWriter, TopicRouter
+from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
+from ledgerbox.inbox.testing import InMemoryDeadLetterPublisher, InMemoryDedupStore, record_for
+from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter
 
 metadata = sa.MetaData()
 balances = sa.Table(

@@ -8,7 +8,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.engine import Engine
 
-import migrations
+from ledgerbox import migrations
 
 
 def _diff(engine: Engine, names: migrations.Names) -> list[object]:

@@ -17,8 +17,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
-import migrations
-from outbox import (
+from ledgerbox import migrations
+from ledgerbox.outbox import (
     EventEnvelope,
     EventStatus,
     OutboxTable,

@@ -1,4 +1,4 @@
-"""The relay CLI (``python -m relay``): check, status, and a SIGTERM'd run exiting 0."""
+"""The relay CLI (``python -m ledgerbox.relay``): check, status, and a SIGTERM'd run exiting 0."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests import _relay_support as rs
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "relay", *args],
+        [sys.executable, "-m", "ledgerbox.relay", *args],
         cwd=rs.REPO_ROOT,
         env={**os.environ, **env},
         capture_output=True,

@@ -11,10 +11,10 @@ from typing import Any
 
 from sqlalchemy import Engine, text
 
-from outbox import shard_of
-from relay import Relay
-from relay._store import ClaimedEvent, RelayStore
-from relay.testing import InMemoryPublisher
+from ledgerbox.outbox import shard_of
+from ledgerbox.relay import Relay
+from ledgerbox.relay._store import ClaimedEvent, RelayStore
+from ledgerbox.relay.testing import InMemoryPublisher
 from tests import _relay_support as rs
 from tests._services import TopicFactory, poll_until
 

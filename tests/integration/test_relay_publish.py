@@ -9,11 +9,11 @@ import json
 
 from sqlalchemy import Engine, text
 
-from outbox import envelope_from_kafka, kafka_headers, timestamp_ms
-from relay import Relay
-from relay._relay import to_record
-from relay._store import RelayStore
-from relay.testing import InMemoryPublisher
+from ledgerbox.outbox import envelope_from_kafka, kafka_headers, timestamp_ms
+from ledgerbox.relay import Relay
+from ledgerbox.relay._relay import to_record
+from ledgerbox.relay._store import RelayStore
+from ledgerbox.relay.testing import InMemoryPublisher
 from tests import _relay_support as rs
 from tests._services import TopicFactory
 

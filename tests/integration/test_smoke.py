@@ -45,7 +45,7 @@ async def test_postgres_async_engine(async_engine: AsyncEngine) -> None:
 
 
 def test_template_is_migrated(engine: Engine) -> None:
-    import migrations
+    from ledgerbox import migrations
 
     version_table = migrations.VERSION_TABLE
     with engine.connect() as conn:

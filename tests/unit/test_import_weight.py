@@ -11,7 +11,9 @@ import pytest
 _PROBE = """
 import sys
 {setup}
-heavy = sorted(m for m in ("sqlalchemy", "inbox", "alembic", "redis") if m in sys.modules)
+heavy = sorted(
+    m for m in ("sqlalchemy", "ledgerbox.inbox", "alembic", "redis") if m in sys.modules
+)
 print(",".join(heavy))
 """
 
@@ -19,9 +21,9 @@ print(",".join(heavy))
 @pytest.mark.parametrize(
     "setup",
     [
-        "import relay; relay.Relay, relay.RelayConfig, relay.KafkaPublisher",
-        "import relay._cli",
-        "import outbox; outbox.ConfigurationError, outbox.DEFAULT_SHARD_COUNT",
+        "from ledgerbox import relay; relay.Relay, relay.RelayConfig, relay.KafkaPublisher",
+        "import ledgerbox.relay._cli",
+        "from ledgerbox import outbox; outbox.ConfigurationError, outbox.DEFAULT_SHARD_COUNT",
         # the console script resolving `ledgerbox relay ...`
         "import ledgerbox.cli as c, typer\n"
         "typer.main.get_command(c.app).get_command(None, 'relay')",
@@ -38,8 +40,7 @@ def test_relay_paths_do_not_import_sqlalchemy_or_the_inbox(setup: str) -> None:
 
 
 def test_lazy_exports_still_resolve_every_public_name() -> None:
-    import outbox
-    import relay
+    from ledgerbox import outbox, relay
 
     for module in (outbox, relay):
         for name in module.__all__:

@@ -10,8 +10,8 @@ import psycopg.errors as pe
 import pytest
 import sqlalchemy.exc as sa_exc
 
-import inbox
-from inbox import (
+from ledgerbox import inbox
+from ledgerbox.inbox import (
     ConsumerConfig,
     FencedWriteError,
     InboxError,
@@ -19,10 +19,10 @@ from inbox import (
     LockBusyError,
     VersionConflictError,
 )
-from inbox._config import RetentionWarning
-from inbox._deadletter import dead_letter_headers
-from inbox._policy import ErrorClass, check_transition, classify, should_retry
-from outbox import EnvelopeParseError, LedgerboxError
+from ledgerbox.inbox._config import RetentionWarning
+from ledgerbox.inbox._deadletter import dead_letter_headers
+from ledgerbox.inbox._policy import ErrorClass, check_transition, classify, should_retry
+from ledgerbox.outbox import EnvelopeParseError, LedgerboxError
 
 
 class _Diag:
@@ -70,7 +70,7 @@ def test_error_tree_has_the_ledgerbox_root() -> None:
     assert issubclass(InboxError, LedgerboxError)
     for cls in (VersionConflictError, FencedWriteError, LockBusyError, inbox.RedisUnavailableError):
         assert issubclass(cls, InboxError)
-    assert VersionConflictError.__module__ == "inbox"
+    assert VersionConflictError.__module__ == "ledgerbox.inbox"
 
 
 @pytest.mark.parametrize(
@@ -149,7 +149,7 @@ def test_inbox_state_transitions() -> None:
 
 
 def test_store_sql_encodes_the_same_transitions() -> None:
-    from inbox._store import CLAIM, CLAIM_MANY, FAIL
+    from ledgerbox.inbox._store import CLAIM, CLAIM_MANY, FAIL
 
     # The SQL embeds the status numbers: a claim takes over only a FAILED row, a failure
     # never overwrites a DONE one.
@@ -234,7 +234,7 @@ def test_dead_letter_headers_keep_the_original_and_add_the_reason() -> None:
     assert dict(headers) == {
         "ce_id": b"1",
         "trace": b"\xff",
-        "ledgerbox_error_type": b"outbox.EnvelopeParseError",
+        "ledgerbox_error_type": b"ledgerbox.outbox.EnvelopeParseError",
         "ledgerbox_error_message": b"value is not JSON",
         "ledgerbox_attempts": b"2",
         "ledgerbox_source_topic": b"t",

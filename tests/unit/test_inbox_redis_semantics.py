@@ -8,10 +8,10 @@ import uuid
 
 import pytest
 
-from inbox import AggregateLock, DedupStore, RedisUnavailableError
-from inbox._gate import RedisGate
-from inbox._metrics import REDIS_DEGRADED
-from inbox.testing import InMemoryAggregateLock, InMemoryDedupStore, ManualClock
+from ledgerbox.inbox import AggregateLock, DedupStore, RedisUnavailableError
+from ledgerbox.inbox._gate import RedisGate
+from ledgerbox.inbox._metrics import REDIS_DEGRADED
+from ledgerbox.inbox.testing import InMemoryAggregateLock, InMemoryDedupStore, ManualClock
 
 
 async def test_protocols_are_implemented() -> None:
@@ -79,7 +79,7 @@ async def test_gate_logs_once_per_outage_skips_redis_and_recovers(
     gate = RedisGate("unit-gate", probe_interval_s=1.0, clock=clock)
     store = InMemoryDedupStore()
     event = uuid.uuid4()
-    caplog.set_level(logging.WARNING, logger="inbox")
+    caplog.set_level(logging.WARNING, logger="ledgerbox.inbox")
     store.available = False
     for _ in range(50):
         assert await gate.call(lambda: store.is_done("g", event), False) is False

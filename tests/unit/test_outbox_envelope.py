@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from pydantic import AwareDatetime, BaseModel
 from sqlalchemy.orm import Session
 
-import outbox
-from outbox import (
+from ledgerbox import outbox
+from ledgerbox.outbox import (
     ConfigurationError,
     EnvelopeParseError,
     EventEnvelope,
@@ -73,7 +73,7 @@ def test_public_names_are_pinned() -> None:
 
 
 def test_errors_report_public_import_path() -> None:
-    assert PayloadTooLargeError.__module__ == "outbox"
+    assert PayloadTooLargeError.__module__ == "ledgerbox.outbox"
     assert issubclass(NaiveDatetimeError, outbox.LedgerboxError)
     assert issubclass(NaiveDatetimeError, ValueError)
 

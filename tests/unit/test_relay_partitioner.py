@@ -6,7 +6,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay._publisher import partition_for
+from ledgerbox.relay._publisher import partition_for
 
 
 @given(key=st.binary(max_size=64), count=st.integers(min_value=1, max_value=64))

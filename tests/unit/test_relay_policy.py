@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from aiokafka import errors as kerr
 
-import relay
-import relay.testing
-from outbox import ConfigurationError, LedgerboxError
-from relay import RelayConfig, RelayError, StoreError
-from relay._policy import (
+import ledgerbox.relay.testing  # noqa: F401  (relay.testing below)
+from ledgerbox import relay
+from ledgerbox.outbox import ConfigurationError, LedgerboxError
+from ledgerbox.relay import RelayConfig, RelayError, StoreError
+from ledgerbox.relay._policy import (
     LEADER_SHARD,
     ErrorKind,
     LeaseBook,
@@ -17,7 +17,7 @@ from relay._policy import (
     fair_share,
     held_after_reject,
 )
-from relay._store import is_transient_sqlstate
+from ledgerbox.relay._store import is_transient_sqlstate
 
 
 def test_public_names_are_pinned() -> None:
@@ -34,7 +34,7 @@ def test_public_names_are_pinned() -> None:
     assert relay.testing.__all__ == ["InMemoryPublisher"]
     assert issubclass(RelayError, LedgerboxError)
     assert issubclass(StoreError, RelayError)
-    assert RelayError.__module__ == "relay"
+    assert RelayError.__module__ == "ledgerbox.relay"
 
 
 @pytest.mark.parametrize(
@@ -182,8 +182,8 @@ def test_config_rejects_bad_values(bad: dict[str, object]) -> None:
 
 
 async def test_in_memory_publisher_injects_faults() -> None:
-    from relay import OutboundRecord, Publisher
-    from relay.testing import InMemoryPublisher
+    from ledgerbox.relay import OutboundRecord, Publisher
+    from ledgerbox.relay.testing import InMemoryPublisher
 
     pub = InMemoryPublisher()
     assert isinstance(pub, Publisher)
@@ -201,7 +201,7 @@ async def test_in_memory_publisher_injects_faults() -> None:
 
 
 def test_kafka_publisher_precheck_refuses_records_above_max_request_size() -> None:
-    from relay import KafkaPublisher, OutboundRecord
+    from ledgerbox.relay import KafkaPublisher, OutboundRecord
 
     pub = KafkaPublisher("127.0.0.1:1")
     small = OutboundRecord(topic="t", key=b"k", value=b"{}", timestamp_ms=1, headers=[])
@@ -213,8 +213,8 @@ def test_kafka_publisher_precheck_refuses_records_above_max_request_size() -> No
 def test_lane_count_has_hysteresis_so_a_steady_load_does_not_flip_it() -> None:
     """Up when one lane's claim is full; down only after 2 s in which no lane claimed more
     than half a batch's share (a steady load between the two keeps its lane count)."""
-    from relay import Relay
-    from relay.testing import InMemoryPublisher
+    from ledgerbox.relay import Relay
+    from ledgerbox.relay.testing import InMemoryPublisher
 
     now = [0.0]
     config = RelayConfig(

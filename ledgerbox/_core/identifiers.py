@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from outbox._errors import ConfigurationError
+from ledgerbox._core.errors import ConfigurationError
 
 _SQL_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 # Kafka's own rule (kafka.common.internals.Topic): legal chars and max length 249.

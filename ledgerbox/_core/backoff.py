@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from outbox._errors import ConfigurationError
+from ledgerbox._core.errors import ConfigurationError
 
 __all__ = ["Backoff"]
 
