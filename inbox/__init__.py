@@ -14,7 +14,7 @@ Example
 
 The handler's writes commit in one transaction with the event's inbox row: a redelivered
 event finds the row and is acknowledged without running the handler (G4). Redis only speeds
-this up (G6). See ``DESIGN.md`` section 4.
+this up (G6). The guarantees: ``docs/guarantees.md``.
 """
 
 if __name__ != "ledgerbox.inbox":  # the repository folder is importable from its root too

@@ -141,7 +141,7 @@ class BatchPipeline:
             )
             return None
         finally:
-            await tx.close()
+            await tx.aclose()
         elapsed_s = time.perf_counter() - started
         applied = [events[k].event_id for k, _e, _r in todo if outcomes[k] is Outcome.APPLIED]
         for _ in applied:

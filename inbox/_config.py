@@ -91,7 +91,7 @@ class ConsumerConfig:
 
     Raises
     ------
-    outbox.ConfigurationError
+    ledgerbox.ConfigurationError
         On an invalid value.
     """
 

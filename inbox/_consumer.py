@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ledgerbox.inbox._batch import BatchPipeline
 from ledgerbox.inbox._config import ConsumerConfig
-from ledgerbox.inbox._deadletter import DeadLetterPublisher, KafkaDeadLetterPublisher, RecordParker
+from ledgerbox.inbox._deadletter import DeadLetterer, DeadLetterPublisher, KafkaDeadLetterPublisher
 from ledgerbox.inbox._gate import RedisGate
 from ledgerbox.inbox._handlers import ConsumerHooks, Handler, Registered
 from ledgerbox.inbox._message import MessagePipeline
@@ -108,7 +108,7 @@ class InboxConsumer:
         self._stop_requested = False
         self._runner: KafkaRunner | None = None
         self._metrics = GroupMetrics(config.group_id)
-        self._parker = RecordParker(self)
+        self._dead_letterer = DeadLetterer(self)
         self._messages = MessagePipeline(self)
         self._batches = BatchPipeline(self, self._messages)
 
@@ -155,7 +155,7 @@ class InboxConsumer:
 
     async def aclose(self) -> None:
         """Release engines, producer and Redis connections this consumer created."""
-        await self.dead_letters.close()
+        await self.dead_letters.aclose()
         if self._redis_client is not None:
             with contextlib.suppress(Exception):
                 await self._redis_client.aclose()
@@ -178,7 +178,7 @@ class InboxConsumer:
         """Run the whole pipeline for one record, except the Kafka offset commit.
 
         Parse, Redis hint, optional lock, then ONE transaction holding the inbox row and the
-        handler's writes; "done" in Redis only after the commit (DESIGN.md section 4).
+        handler's writes; "done" in Redis only after the commit (docs/guarantees.md, G4 and G6).
         Transient errors are retried with backoff, permanent ones and exhausted retries are
         dead-lettered.
 

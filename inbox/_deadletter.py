@@ -1,5 +1,5 @@
 """The dead-letter edge: a Protocol, the Kafka implementation, the header layout, and the
-parking of a poison record (G7).
+dead-lettering of a poison record (G7).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from ledgerbox._core.faults import Fault
 from ledgerbox.inbox._errors import DeadLetterError
-from ledgerbox.inbox._policy import ErrorClass, Outcome, classify
+from ledgerbox.inbox._policy import Outcome, classify
 from ledgerbox.inbox._record import Abandon, Record, record_identity, sleep_unless_abandoned
 from ledgerbox.outbox import EventEnvelope
 
@@ -29,8 +30,8 @@ __all__ = [
     "H_SOURCE_PARTITION",
     "H_SOURCE_TOPIC",
     "DeadLetterPublisher",
+    "DeadLetterer",
     "KafkaDeadLetterPublisher",
-    "RecordParker",
     "dead_letter_headers",
 ]
 
@@ -92,7 +93,7 @@ class DeadLetterPublisher(Protocol):
         """Store one record. Raises :class:`inbox.DeadLetterError` if it was not stored."""
         ...
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Flush and release resources."""
         ...
 
@@ -138,23 +139,23 @@ class KafkaDeadLetterPublisher:
             producer = await self._started()
             await producer.send_and_wait(topic, value=value, key=key, headers=list(headers))
         except (TimeoutError, KafkaError, OSError) as exc:
-            raise DeadLetterError(f"dead-letter send to {topic!r} failed: {exc!r}") from exc
+            raise DeadLetterError.translate(exc, f"dead-letter send to {topic!r}") from exc
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         async with self._lock:
             producer, self._producer = self._producer, None
         if producer is not None:
             await producer.stop()
 
 
-class RecordParker:
-    """Parks the poison records of one :class:`inbox.InboxConsumer`: dead-letter topic first,
-    then the inbox row marked FAILED with the reason."""
+class DeadLetterer:
+    """Dead-letters the poison records of one :class:`inbox.InboxConsumer`: dead-letter topic first,
+    then the inbox row marked DEAD_LETTERED with the reason."""
 
     def __init__(self, consumer: InboxConsumer) -> None:
         self.consumer = consumer
 
-    async def park(
+    async def dead_letter(
         self,
         record: Record,
         event: EventEnvelope | None,
@@ -228,10 +229,12 @@ class RecordParker:
                 return
             except Exception as exc:
                 retry += 1
-                if classify(exc) is ErrorClass.PERMANENT or retry >= 1000:
-                    _log.error("could not mark event %s FAILED in the inbox: %r", event_id, exc)
+                if classify(exc) is Fault.MESSAGE or retry >= 1000:
+                    _log.error(
+                        "could not mark event %s dead-lettered in the inbox: %r", event_id, exc
+                    )
                     return
                 delay_s = c.config.backoff.delay_s(min(retry, 30))
                 await sleep_unless_abandoned(delay_s, abandon)
             finally:
-                await tx.close()
+                await tx.aclose()

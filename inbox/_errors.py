@@ -1,17 +1,9 @@
-"""Errors of the ``inbox`` package, below the single ledgerbox root.
+"""Errors of ``ledgerbox.inbox`` (the whole tree: :mod:`ledgerbox._core.errors`).
 
-::
-
-    outbox.LedgerboxError
-    └── InboxError                     any inbox failure
-        ├── VersionConflictError       optimistic version check matched no row (retried, G5)
-        ├── FencedWriteError           a fenced write was refused: a newer lock holder wrote (C10)
-        ├── LockBusyError              the per-aggregate lock stayed taken for the whole wait
-        ├── RedisUnavailableError      Redis did not answer; the DB path carries on (G6)
-        └── DeadLetterError            the dead-letter topic refused a record (retried)
-
-Driver errors are translated only at the seams (``_redis.py``, ``_store.py``); retry
-classification (``_policy.classify``) reads SQLSTATEs and exception classes, never messages.
+Driver errors are translated only at the seams: the database's in the transaction adapter
+(:mod:`ledgerbox.inbox._tx`, as :class:`ledgerbox.DatabaseError`), Redis's in
+:mod:`ledgerbox.inbox._redis`, Kafka's in :mod:`ledgerbox.inbox._deadletter`; retry
+classification (:func:`ledgerbox.inbox._policy.classify`) reads only those types.
 """
 
 from __future__ import annotations
@@ -19,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ledgerbox._core.errors import LedgerboxError
+from ledgerbox._core.errors import BrokerError, LedgerboxError
 
 __all__ = [
     "DeadLetterError",
@@ -102,7 +94,8 @@ class RedisUnavailableError(InboxError):
     __module__ = "ledgerbox.inbox"
 
 
-class DeadLetterError(InboxError):
-    """The dead-letter record could not be written to Kafka; the offset is not committed."""
+class DeadLetterError(InboxError, BrokerError):
+    """The dead-letter record could not be written to Kafka (``fault``, ``kind``: see
+    :class:`ledgerbox.BrokerError`); the offset is not committed and the send is retried."""
 
     __module__ = "ledgerbox.inbox"

@@ -1,4 +1,4 @@
-"""One message through the inbox, in its own transaction (DESIGN.md section 4).
+"""One message through the inbox, in its own transaction (docs/inbox.md, "Per message").
 
 Steps for one record:
 
@@ -14,7 +14,7 @@ Steps for one record:
    is deleted); the caller marks the offset committable.
 
 Transient failures rerun the whole transaction with backoff; permanent ones and exhausted
-retries are parked (:mod:`inbox._deadletter`).
+retries are dead-lettered (:mod:`ledgerbox.inbox._deadletter`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ledgerbox._core.faults import Fault
 from ledgerbox.inbox._context import HandlerContext
 from ledgerbox.inbox._errors import FencedWriteError, LockBusyError, VersionConflictError
 from ledgerbox.inbox._handlers import Registered
-from ledgerbox.inbox._policy import ErrorClass, Outcome, classify, should_retry
+from ledgerbox.inbox._policy import Outcome, classify, should_retry
 from ledgerbox.inbox._record import (
     Abandon,
     Parsed,
@@ -76,7 +77,7 @@ class MessagePipeline:
         if parsed is None:
             parsed = parse_record(record)
         if isinstance(parsed, EnvelopeParseError):
-            return await c._parker.park(record, None, parsed, 1, abandon)
+            return await c._dead_letterer.dead_letter(record, None, parsed, 1, abandon)
         event = parsed
         registered = c._handlers.get(event.event_type)
         if registered is None:
@@ -154,11 +155,11 @@ class MessagePipeline:
                 raise
             except Exception as exc:
                 kind = classify(exc, inbox_constraint=c.store.pk_constraint)
-                if kind is ErrorClass.DUPLICATE:
+                if kind is Fault.DUPLICATE:
                     self.metrics.duplicates_db.inc()
                     return Outcome.DUPLICATE
                 if not should_retry(kind, attempt, c.config.max_attempts):
-                    return await c._parker.park(record, event, exc, attempt, abandon)
+                    return await c._dead_letterer.dead_letter(record, event, exc, attempt, abandon)
                 self.metrics.retries.inc()
                 if isinstance(exc, VersionConflictError | FencedWriteError):
                     self.metrics.conflicts.inc()
@@ -208,7 +209,7 @@ class MessagePipeline:
                     await tx.call(registered.fn, ctx, event)
                     await tx.commit()
             finally:
-                await tx.close()
+                await tx.aclose()
             self.metrics.handler_duration.observe(time.perf_counter() - started)
         finally:
             if renewer is not None:

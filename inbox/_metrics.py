@@ -41,7 +41,7 @@ RETRIES = Counter(
 )
 DEAD_LETTERED = Counter(
     "ledgerbox_inbox_dead_lettered_total",
-    "Records parked on the dead-letter topic (unparseable, permanent error, retries exhausted).",
+    "Records sent to the dead-letter topic (unparseable, permanent error, retries exhausted).",
     ["group"],
 )
 HANDLER_DURATION = Histogram(

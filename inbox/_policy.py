@@ -1,45 +1,31 @@
 """Pure policy of the inbox: retry classification and inbox row state transitions.
 
-No clock, no I/O: everything here is a function of its arguments (STYLE.md rule 4).
+No clock, no I/O: everything here is a function of its arguments.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Iterator
 
-from ledgerbox.inbox._errors import FencedWriteError, LockBusyError, VersionConflictError
+from ledgerbox._core.errors import BrokerError, DatabaseError
+from ledgerbox._core.faults import Fault
+from ledgerbox.inbox._errors import (
+    FencedWriteError,
+    LockBusyError,
+    RedisUnavailableError,
+    VersionConflictError,
+)
 from ledgerbox.inbox._table import InboxStatus
 from ledgerbox.outbox import EnvelopeParseError
 
 __all__ = [
-    "ErrorClass",
+    "Fault",
     "Outcome",
     "check_transition",
     "classify",
     "should_retry",
 ]
-
-#: SQLSTATEs worth a retry in a fresh transaction (PostgreSQL docs, Appendix A).
-#: 40001 serialization_failure and 40P01 deadlock_detected are the documented "retry the
-#: transaction" cases; 55P03 lock_not_available (lock_timeout); 57014 query_canceled
-#: (statement_timeout).
-TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "55P03", "57014"})
-#: The server is gone or refusing work (57P01..57P03 shutdown, 53300 too many connections,
-#: class 08 connection exceptions): no message is at fault, so these never dead-letter.
-UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300"})
-UNAVAILABLE_SQLSTATE_CLASSES = frozenset({"08"})
-UNIQUE_VIOLATION = "23505"
-
-
-class ErrorClass(enum.Enum):
-    """How the consumer treats a failed attempt."""
-
-    TRANSIENT = "transient"  # roll back, back off, rerun in a fresh transaction (bounded)
-    UNAVAILABLE = "unavailable"  # the database is unreachable: back off and retry, unbounded
-    PERMANENT = "permanent"  # roll back, dead-letter at once
-    DUPLICATE = "duplicate"  # roll back, the event's effect already committed: acknowledge
 
 
 class Outcome(enum.Enum):
@@ -47,109 +33,69 @@ class Outcome(enum.Enum):
 
     APPLIED = "applied"  # the handler's effect committed with the inbox row
     DUPLICATE = "duplicate"  # already applied for this group (Redis hint or DB inbox)
-    DEAD_LETTERED = "dead_lettered"  # parked on the dead-letter topic, inbox row FAILED
+    DEAD_LETTERED = "dead_lettered"  # on the dead-letter topic, inbox row DEAD_LETTERED
     IGNORED = "ignored"  # no handler for this event type: acknowledged, nothing written
     ABANDONED = "abandoned"  # the partition was revoked or the consumer stopped mid-retry
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        orig = getattr(current, "orig", None)  # sqlalchemy.exc.DBAPIError wraps the driver's
-        if isinstance(orig, BaseException) and id(orig) not in seen:
-            yield from _chain(orig)
-        current = current.__cause__ or current.__context__
-
-
-def sqlstate_of(exc: BaseException) -> str | None:
-    """The first SQLSTATE found on ``exc`` or on the errors it wraps, else ``None``."""
-    for item in _chain(exc):
-        state = getattr(item, "sqlstate", None)
-        if isinstance(state, str) and state:
-            return state
-    return None
-
-
-def classify(exc: BaseException, *, inbox_constraint: str | None = None) -> ErrorClass:
-    """Classify a failed attempt by exception class and SQLSTATE, never by message text.
+def classify(exc: BaseException, *, inbox_constraint: str | None = None) -> Fault:
+    """Whose fault a failed attempt is, from the library's own error types (the seams
+    translated every driver error; ``ledgerbox._core.faults`` holds the one table).
 
     Parameters
     ----------
     exc : BaseException
         What the attempt raised (handler, inbox insert or commit).
     inbox_constraint : str | None
-        Name of the inbox primary key constraint. A unique violation (23505) on it means a
-        concurrent worker committed the same event first (C05): ``DUPLICATE``. A 23505 on any
-        other constraint (or without a name) is a business error: ``PERMANENT``.
+        Name of the inbox primary key constraint. A unique violation on it means a
+        concurrent worker committed the same event first (C05): ``DUPLICATE``. A unique
+        violation of any other constraint is the message's fault: ``MESSAGE``.
 
     Returns
     -------
-    ErrorClass
-        ``UNAVAILABLE`` for a lost or refused database connection (SQLSTATE class 08,
-        57P01-57P03, 53300, driver connection errors, ``ConnectionError``); ``TRANSIENT`` for
-        timeouts, serialization failures (40001), deadlocks (40P01), lock and statement
-        timeouts, version conflicts, fenced writes and busy locks; ``DUPLICATE`` for a 23505
-        on the inbox key; ``PERMANENT`` otherwise (bad payloads, bugs, other constraint
-        violations).
+    Fault
+        ``ENVIRONMENT`` (retried without bound: the database or Kafka is away or
+        misconfigured), ``TRANSIENT`` (retried up to ``max_attempts``: serialization
+        failures, deadlocks, version conflicts, fenced writes, busy locks, timeouts),
+        ``DUPLICATE`` or ``MESSAGE`` (dead-letter now: unparseable, bad data, a constraint).
     """
-    for item in _chain(exc):
-        if isinstance(item, EnvelopeParseError):
-            return ErrorClass.PERMANENT
-        if isinstance(item, VersionConflictError | FencedWriteError | LockBusyError):
-            return ErrorClass.TRANSIENT
-        state = getattr(item, "sqlstate", None)
-        if isinstance(state, str) and state:
-            if state == UNIQUE_VIOLATION:
-                diag = getattr(item, "diag", None)
-                name = getattr(diag, "constraint_name", None)
-                if name is not None and name == inbox_constraint:
-                    return ErrorClass.DUPLICATE
-                return ErrorClass.PERMANENT
-            if state in UNAVAILABLE_SQLSTATES or state[:2] in UNAVAILABLE_SQLSTATE_CLASSES:
-                return ErrorClass.UNAVAILABLE
-            if state in TRANSIENT_SQLSTATES:
-                return ErrorClass.TRANSIENT
-            return ErrorClass.PERMANENT
-        if _is_disconnect(item) or isinstance(item, ConnectionError):
-            return ErrorClass.UNAVAILABLE
-        if isinstance(item, TimeoutError | asyncio.TimeoutError):
-            return ErrorClass.TRANSIENT
-    return ErrorClass.PERMANENT
+    if isinstance(exc, EnvelopeParseError):
+        return Fault.MESSAGE
+    if isinstance(exc, VersionConflictError | FencedWriteError | LockBusyError):
+        return Fault.TRANSIENT
+    if isinstance(exc, DatabaseError | BrokerError):
+        if exc.fault is Fault.DUPLICATE:
+            is_inbox = isinstance(exc, DatabaseError) and exc.constraint == inbox_constraint
+            return Fault.DUPLICATE if is_inbox and inbox_constraint else Fault.MESSAGE
+        return exc.fault
+    if isinstance(exc, RedisUnavailableError | ConnectionError):
+        return Fault.ENVIRONMENT
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return Fault.TRANSIENT
+    return Fault.MESSAGE
 
 
-def _is_disconnect(exc: BaseException) -> bool:
-    # SQLAlchemy marks errors that invalidated the connection; psycopg's OperationalError
-    # without a SQLSTATE is a client-side connection failure.
-    if getattr(exc, "connection_invalidated", False):
-        return True
-    cls_names = {c.__name__ for c in type(exc).__mro__}
-    module = type(exc).__module__
-    return module.startswith("psycopg") and "OperationalError" in cls_names
+def should_retry(fault: Fault, attempt: int, max_attempts: int) -> bool:
+    """True if attempt number ``attempt`` (1-based) failed with a fault worth another try.
 
-
-def should_retry(error_class: ErrorClass, attempt: int, max_attempts: int) -> bool:
-    """True if attempt number ``attempt`` (1-based) failed with a class worth another try.
-
-    ``UNAVAILABLE`` is always retried: a database outage must not dead-letter the messages
-    that arrive during it. ``TRANSIENT`` is retried while ``attempt < max_attempts``.
+    ``ENVIRONMENT`` is always retried: a database outage or a schema not yet migrated must
+    not dead-letter the messages that arrive during it. ``TRANSIENT`` is retried while
+    ``attempt < max_attempts``.
     """
-    if error_class is ErrorClass.UNAVAILABLE:
+    if fault is Fault.ENVIRONMENT:
         return True
-    return error_class is ErrorClass.TRANSIENT and attempt < max_attempts
+    return fault is Fault.TRANSIENT and attempt < max_attempts
 
 
 #: Allowed inbox row transitions. ``None`` is "no row". DONE is final: an effect that
-#: committed is never undone nor re-run. FAILED may become DONE when a dead-lettered event
+#: committed is never undone nor re-run. DEAD_LETTERED may become DONE when a dead-lettered event
 #: is replayed and succeeds.
 _TRANSITIONS: frozenset[tuple[InboxStatus | None, InboxStatus]] = frozenset(
     {
         (None, InboxStatus.DONE),
-        (None, InboxStatus.FAILED),
-        (InboxStatus.FAILED, InboxStatus.DONE),
-        (InboxStatus.FAILED, InboxStatus.FAILED),
+        (None, InboxStatus.DEAD_LETTERED),
+        (InboxStatus.DEAD_LETTERED, InboxStatus.DONE),
+        (InboxStatus.DEAD_LETTERED, InboxStatus.DEAD_LETTERED),
     }
 )
 
@@ -157,7 +103,7 @@ _TRANSITIONS: frozenset[tuple[InboxStatus | None, InboxStatus]] = frozenset(
 def check_transition(current: InboxStatus | None, target: InboxStatus) -> bool:
     """True if an inbox row may go from ``current`` (``None``: absent) to ``target``.
 
-    The store's SQL encodes the same table (``ON CONFLICT ... WHERE status = FAILED``); a
+    The store's SQL encodes the same table (``ON CONFLICT ... WHERE status = DEAD_LETTERED``); a
     unit test keeps the two in step.
     """
     return (current, target) in _TRANSITIONS

@@ -122,7 +122,7 @@ class KafkaRunner:
         no in-flight record is processed twice.
         """
         workers = [self.workers[tp] for tp in partitions if tp in self.workers]
-        await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+        await asyncio.gather(*(w.aclose() for w in workers), return_exceptions=True)
         await self.commit(workers)
         for worker in workers:
             self.workers.pop(worker.tp, None)
@@ -186,7 +186,7 @@ class _PartitionWorker:
         self.queue.extend(records)
         self._wake.set()
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         self.closing = True
         self.queue.clear()
         self._wake.set()

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ledgerbox.inbox._table import InboxTable
-from ledgerbox.inbox._tx import Tx
+from ledgerbox.inbox._tx import Tx, translate_errors
 
 __all__ = ["InboxStore"]
 
@@ -26,10 +26,10 @@ __all__ = ["InboxStore"]
 MAX_ERROR_CHARS = 2000
 
 # {table} is the validated (schema-qualified) table name. Status numbers are InboxStatus
-# values (1 DONE, 2 FAILED); a unit test pins them.
+# values (1 DONE, 2 DEAD_LETTERED); a unit test pins them.
 
 # Claim: insert DONE; a conflict on a DONE row returns nothing (duplicate), a conflict on a
-# FAILED row (a dead-lettered event replayed) takes it over. A concurrent claimant waits on
+# DEAD_LETTERED row (a dead-lettered event replayed) takes it over. A concurrent claimant waits on
 # the unique index until the first commits or rolls back (C05). ``check_transition`` in
 # ``_policy.py`` states the same transitions.
 _CLAIM_CONFLICT: LiteralString = """
@@ -60,7 +60,7 @@ FROM unnest(
 ) AS v(event_id, event_type, topic, "partition", "offset")"""
     + _CLAIM_CONFLICT
 )
-# A dead-lettered event: FAILED with its error, unless its effect already committed.
+# A dead-lettered event: DEAD_LETTERED with its error, unless its effect already committed.
 FAIL: LiteralString = """
 INSERT INTO {table} AS t
     (consumer_group, event_id, status, attempts, event_type, topic, "partition", "offset",
@@ -129,7 +129,7 @@ class InboxStore:
         """Insert the inbox rows of several distinct events in ONE statement in ``tx``.
 
         ``items`` are ``(event_id, event_type, record)`` with distinct event ids. Returns the
-        ids whose row was inserted (or taken over from FAILED): their handlers must run in
+        ids whose row was inserted (or taken over from DEAD_LETTERED): their handlers must run in
         ``tx``; the others already committed their effect.
         """
         params = {
@@ -152,7 +152,7 @@ class InboxStore:
         error: str,
         attempts: int,
     ) -> None:
-        """Upsert the row as FAILED with ``error`` (never over a DONE row). Caller commits."""
+        """Upsert the row as DEAD_LETTERED with ``error`` (never over DONE). Caller commits."""
         values = self._values(event_id, event_type, record)
         values.update(attempts=attempts, last_error=error[:MAX_ERROR_CHARS])
         await tx.execute(self._fail, values)
@@ -160,6 +160,7 @@ class InboxStore:
     async def purge_batch(self, engine: AsyncEngine, older_than_s: float, batch: int) -> int:
         """Delete at most ``batch`` rows of this group first seen more than ``older_than_s``
         seconds ago, in one short transaction. Returns how many were deleted."""
-        async with engine.begin() as conn:
-            result = await conn.execute(self._purge, {"age_s": older_than_s, "batch": batch})
-            return int(result.rowcount)
+        with translate_errors("purge"):
+            async with engine.begin() as conn:
+                result = await conn.execute(self._purge, {"age_s": older_than_s, "batch": batch})
+                return int(result.rowcount)

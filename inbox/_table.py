@@ -14,10 +14,10 @@ __all__ = ["InboxStatus", "InboxTable"]
 
 class InboxStatus(enum.IntEnum):
     """State of an inbox row. DONE: the handler's effect committed with the row.
-    FAILED: the event was dead-lettered (its effect never committed)."""
+    DEAD_LETTERED: the record went to the dead-letter topic (its effect never committed)."""
 
     DONE = 1
-    FAILED = 2
+    DEAD_LETTERED = 2
 
 
 class InboxTable:
@@ -34,7 +34,7 @@ class InboxTable:
 
     Raises
     ------
-    outbox.ConfigurationError
+    ledgerbox.ConfigurationError
         If a name is not a valid SQL identifier.
     """
 

@@ -4,12 +4,17 @@
 ``Session`` and runs each call in a worker thread (``asyncio.to_thread``) so sync handlers
 never block the event loop. The consumer's step sequence (insert inbox row, run handler,
 commit) is written once against :class:`Tx`.
+
+This is the inbox's database seam: a driver error (psycopg, SQLAlchemy) raised by a
+statement, the handler or the commit leaves it as :class:`ledgerbox.DatabaseError` with the
+fault of the one table (:mod:`ledgerbox._core.faults`), the driver's error as its cause.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,7 +23,9 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
-__all__ = ["AsyncTx", "Rows", "SyncTx", "Tx"]
+from ledgerbox._core.errors import DatabaseError
+
+__all__ = ["AsyncTx", "Rows", "SyncTx", "Tx", "translate_errors"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +58,24 @@ class Tx(Protocol):
         """Commit the transaction."""
         ...
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Roll back whatever is not committed and release the connection."""
         ...
+
+
+@contextlib.contextmanager
+def translate_errors(what: str) -> Iterator[None]:
+    """``with translate_errors("commit"): ...`` re-raises a driver error as
+    :class:`ledgerbox.DatabaseError` (any other exception passes unchanged)."""
+    try:
+        yield
+    except DatabaseError:
+        raise
+    except Exception as exc:
+        error = DatabaseError.translate(exc, what)
+        if error is None:
+            raise
+        raise error from exc
 
 
 def _fetch(result: sa.Result[Any]) -> Rows:
@@ -74,18 +96,22 @@ class AsyncTx:
     async def execute(
         self, statement: sa.Executable, params: Mapping[str, Any] | None = None
     ) -> Rows:
-        return _fetch(await self._session.execute(statement, params))
+        with translate_errors("inbox statement"):
+            return _fetch(await self._session.execute(statement, params))
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> None:
-        result = fn(*args)
-        if isinstance(result, Awaitable):
-            await result
+        with translate_errors("handler"):
+            result = fn(*args)
+            if isinstance(result, Awaitable):
+                await result
 
     async def commit(self) -> None:
-        await self._session.commit()
+        with translate_errors("commit"):
+            await self._session.commit()
 
-    async def close(self) -> None:
-        await self._session.close()
+    async def aclose(self) -> None:
+        with translate_errors("rollback"):
+            await self._session.close()
 
 
 class SyncTx:
@@ -105,13 +131,17 @@ class SyncTx:
     async def execute(
         self, statement: sa.Executable, params: Mapping[str, Any] | None = None
     ) -> Rows:
-        return await asyncio.to_thread(lambda: _fetch(self._session.execute(statement, params)))
+        with translate_errors("inbox statement"):
+            return await asyncio.to_thread(lambda: _fetch(self._session.execute(statement, params)))
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> None:
-        await asyncio.to_thread(fn, *args)
+        with translate_errors("handler"):
+            await asyncio.to_thread(fn, *args)
 
     async def commit(self) -> None:
-        await asyncio.to_thread(self._session.commit)
+        with translate_errors("commit"):
+            await asyncio.to_thread(self._session.commit)
 
-    async def close(self) -> None:
-        await asyncio.to_thread(self._session.close)
+    async def aclose(self) -> None:
+        with translate_errors("rollback"):
+            await asyncio.to_thread(self._session.close)

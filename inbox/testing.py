@@ -171,7 +171,7 @@ class InMemoryDeadLetterPublisher:
     ) -> None:
         self.records.append((topic, key, value, list(headers)))
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         return None
 
 

@@ -7,7 +7,18 @@ This module holds only the version and the root of the error tree, so ``import l
 cheap.
 """
 
-from ledgerbox._core.errors import ConfigurationError, LedgerboxError
+from ledgerbox._core.errors import (
+    BrokerError,
+    ConfigurationError,
+    DatabaseError,
+    LedgerboxError,
+)
 
 __version__ = "0.2.0"
-__all__ = ["ConfigurationError", "LedgerboxError", "__version__"]
+__all__ = [
+    "BrokerError",
+    "ConfigurationError",
+    "DatabaseError",
+    "LedgerboxError",
+    "__version__",
+]

@@ -28,11 +28,8 @@ if TYPE_CHECKING:
     from ledgerbox._core.names import DEFAULT_SHARD_COUNT
     from ledgerbox.outbox._envelope import EventEnvelope, idempotency_key
     from ledgerbox.outbox._errors import (
-        ConfigurationError,
-        DuplicateEventError,
         EnvelopeParseError,
         EventValidationError,
-        LedgerboxError,
         NaiveDatetimeError,
         PayloadTooLargeError,
         UnroutedEventError,
@@ -50,13 +47,10 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DEFAULT_SHARD_COUNT",
-    "ConfigurationError",
-    "DuplicateEventError",
     "EnvelopeParseError",
     "EventEnvelope",
     "EventStatus",
     "EventValidationError",
-    "LedgerboxError",
     "NaiveDatetimeError",
     "OutboxTable",
     "OutboxWriter",
@@ -77,15 +71,12 @@ if not TYPE_CHECKING:  # type checkers see the imports above, so typos stay erro
         __name__,
         globals(),
         {
-            "ConfigurationError": "ledgerbox.outbox._errors",
             "DEFAULT_MAX_PAYLOAD_BYTES": "ledgerbox.outbox._writer",
             "DEFAULT_SHARD_COUNT": "ledgerbox._core.names",
-            "DuplicateEventError": "ledgerbox.outbox._errors",
             "EnvelopeParseError": "ledgerbox.outbox._errors",
             "EventEnvelope": "ledgerbox.outbox._envelope",
             "EventStatus": "ledgerbox.outbox._table",
             "EventValidationError": "ledgerbox.outbox._errors",
-            "LedgerboxError": "ledgerbox.outbox._errors",
             "NaiveDatetimeError": "ledgerbox.outbox._errors",
             "OutboxTable": "ledgerbox.outbox._table",
             "OutboxWriter": "ledgerbox.outbox._writer",

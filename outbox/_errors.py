@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from ledgerbox._core.errors import ConfigurationError, LedgerboxError
+from ledgerbox._core.errors import LedgerboxError
 
 __all__ = [
-    "ConfigurationError",
-    "DuplicateEventError",
     "EnvelopeParseError",
     "EventValidationError",
-    "LedgerboxError",
     "NaiveDatetimeError",
     "PayloadTooLargeError",
     "UnroutedEventError",
@@ -75,19 +72,3 @@ class EnvelopeParseError(LedgerboxError, ValueError):
     """A Kafka record could not be read as a ledgerbox event (bad bytes, headers or fields)."""
 
     __module__ = "ledgerbox.outbox"
-
-
-class DuplicateEventError(LedgerboxError):
-    """An outbox row with this idempotency key already exists (SQLSTATE 23505 on its constraint).
-
-    Attributes
-    ----------
-    idempotency_key : str | None
-        The duplicated key when it is known, else ``None``.
-    """
-
-    __module__ = "ledgerbox.outbox"
-
-    def __init__(self, idempotency_key: str | None) -> None:
-        super().__init__(f"an event with idempotency key {idempotency_key!r} was already written")
-        self.idempotency_key = idempotency_key

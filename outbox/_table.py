@@ -1,7 +1,7 @@
 """The outbox table: SQLAlchemy Core metadata, its ORM mapping for ``Session.add``, and DDL.
 
 The relay owns the publication columns (``status``, ``attempts``, ``published_at``,
-``last_error``); producers only ever insert. See ``../DESIGN.md`` section 2.
+``last_error``); producers only ever insert. See ``docs/outbox.md``.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ __all__ = ["DEFAULT_SHARD_COUNT", "EventStatus", "OutboxTable", "shard_of"]
 
 
 class EventStatus(enum.IntEnum):
-    """State of an outbox row. Transitions: PENDING -> PUBLISHED, PENDING -> DEAD -> PENDING."""
+    """State of an outbox row. Transitions: PENDING -> PUBLISHED, PENDING -> DEAD_LETTERED
+    (Kafka refused the record for good) -> PENDING (an operator replays it)."""
 
     PENDING = 0
     PUBLISHED = 1
-    DEAD = 2
+    DEAD_LETTERED = 2
 
 
 def shard_of(partition_key: str, shard_count: int = DEFAULT_SHARD_COUNT) -> int:
@@ -173,8 +174,8 @@ def _define_table(metadata: sa.MetaData, name: str, schema: str | None) -> sa.Ta
             "id",
             postgresql_where=sa.text("status = 0"),
         ),
-        # The relay's on_dead="hold" check ("is an earlier event of this key dead?"): tiny,
-        # only dead rows.
+        # The relay's on_dead_letter="hold" check ("is an earlier event of this key
+        # dead-lettered?"): tiny, only dead-lettered rows.
         sa.Index(
             f"ix_{name}_dead",
             "partition_key",

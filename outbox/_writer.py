@@ -1,6 +1,6 @@
 """The write path: stage events into the caller's transaction.
 
-Guarantee (G1, ``../DESIGN.md``): an event staged with this module is part of the caller's
+Guarantee (G1, ``docs/guarantees.md``): an event staged with this module is part of the caller's
 transaction. If the transaction commits, the event is in the outbox and the relay will publish
 it; if it rolls back, so too is the event, and nothing reaches Kafka. Nothing here commits.
 """
@@ -16,13 +16,13 @@ from typing import Any
 import sqlalchemy as sa
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
+from ledgerbox._core.errors import ConfigurationError
+from ledgerbox._core.faults import Fault, driver_fault
 from ledgerbox.outbox._envelope import EventEnvelope, dumps_payload, to_json_payload
 from ledgerbox.outbox._errors import (
-    ConfigurationError,
     EventValidationError,
     NaiveDatetimeError,
     PayloadTooLargeError,
@@ -38,7 +38,6 @@ __all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "OutboxWriter", "Staged", "envelope_from
 DEFAULT_MAX_PAYLOAD_BYTES = 1_048_576
 
 _EVENT_ID_NAMESPACE = uuid.UUID("0b7c6d49-4b0e-4c6a-8f3e-9d2a41c7e0a5")
-_SQLSTATE_UNIQUE_VIOLATION = "23505"
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,19 +267,11 @@ class OutboxWriter:
         event-id constraint (event ids derive from idempotency keys, so PostgreSQL may report
         either). Classified by SQLSTATE and constraint name, never by message text.
         """
-        seen: set[int] = set()
-        current: BaseException | None = exc
-        while current is not None and id(current) not in seen:
-            seen.add(id(current))
-            if isinstance(current, IntegrityError):
-                current = current.orig
-                continue
-            if getattr(current, "sqlstate", None) == _SQLSTATE_UNIQUE_VIOLATION:
-                diag = getattr(current, "diag", None)
-                constraint = getattr(diag, "constraint_name", None)
-                return constraint in self.table.duplicate_constraints
-            current = current.__cause__
-        return False
+        found = driver_fault(exc)
+        if found is None:
+            return False
+        fault, _sqlstate, constraint = found
+        return fault is Fault.DUPLICATE and constraint in self.table.duplicate_constraints
 
     # -- internals --------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from ledgerbox._core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from ledgerbox.relay._config import RelayConfig
-    from ledgerbox.relay._errors import RelayError, StoreError
+    from ledgerbox.relay._errors import PublishError, RelayError, StoreError
     from ledgerbox.relay._publisher import KafkaPublisher, OutboundRecord, Publisher
     from ledgerbox.relay._relay import Relay
     from ledgerbox.relay._table import RelayTables
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KafkaPublisher",
     "OutboundRecord",
+    "PublishError",
     "Publisher",
     "Relay",
     "RelayConfig",
@@ -45,6 +46,7 @@ if not TYPE_CHECKING:  # type checkers see the imports above, so typos stay erro
         {
             "KafkaPublisher": "ledgerbox.relay._publisher",
             "OutboundRecord": "ledgerbox.relay._publisher",
+            "PublishError": "ledgerbox.relay._errors",
             "Publisher": "ledgerbox.relay._publisher",
             "Relay": "ledgerbox.relay._relay",
             "RelayConfig": "ledgerbox.relay._config",

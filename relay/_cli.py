@@ -17,7 +17,7 @@ from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ledgerbox._core.errors import LedgerboxError
-from ledgerbox.relay._config import Compression, OnDead, RelayConfig
+from ledgerbox.relay._config import Compression, OnDeadLetter, RelayConfig
 from ledgerbox.relay._publisher import KafkaPublisher
 from ledgerbox.relay._relay import Relay
 from ledgerbox.relay._store import RelayStore
@@ -53,7 +53,7 @@ class RelaySettings(BaseSettings):
     lease_ttl_s: float = 5.0
     heartbeat_interval_s: float = 1.0
     compression: Compression = "lz4"
-    on_dead: OnDead = "hold"
+    on_dead_letter: OnDeadLetter = "hold"
     retention_s: float = 7 * 86400.0
     relay_id: str | None = None
     shard_count: int = 64
@@ -62,7 +62,7 @@ class RelaySettings(BaseSettings):
     log_level: str = "INFO"
 
     def to_config(self) -> RelayConfig:
-        """The validated :class:`RelayConfig` (raises ``outbox.ConfigurationError``)."""
+        """The validated :class:`RelayConfig` (raises ``ledgerbox.ConfigurationError``)."""
         return RelayConfig(
             database_url=self.database_url,
             kafka_bootstrap_servers=self.kafka_bootstrap_servers,
@@ -74,7 +74,7 @@ class RelaySettings(BaseSettings):
             lease_ttl_s=self.lease_ttl_s,
             heartbeat_interval_s=self.heartbeat_interval_s,
             compression=self.compression,
-            on_dead=self.on_dead,
+            on_dead_letter=self.on_dead_letter,
             retention_s=self.retention_s,
             relay_id=self.relay_id,
             shard_count=self.shard_count,
@@ -111,7 +111,7 @@ def run(
     lease_ttl_s: Annotated[float | None, typer.Option(help="shard lease TTL, s")] = None,
     heartbeat_interval_s: Annotated[float | None, typer.Option(help="heartbeat, s")] = None,
     compression: Annotated[str | None, typer.Option(help="lz4|zstd|gzip|snappy|none")] = None,
-    on_dead: Annotated[str | None, typer.Option(help="hold|skip")] = None,
+    on_dead_letter: Annotated[str | None, typer.Option(help="hold|skip")] = None,
     retention_s: Annotated[float | None, typer.Option(help="keep published rows, s")] = None,
     relay_id: Annotated[str | None, typer.Option(help="name in the lease table")] = None,
     shard_count: Annotated[int | None, typer.Option(help="must match the writers")] = None,
@@ -131,7 +131,7 @@ def run(
         lease_ttl_s=lease_ttl_s,
         heartbeat_interval_s=heartbeat_interval_s,
         compression=compression,
-        on_dead=on_dead,
+        on_dead_letter=on_dead_letter,
         retention_s=retention_s,
         relay_id=relay_id,
         shard_count=shard_count,
@@ -196,7 +196,7 @@ async def _check(config: RelayConfig) -> tuple[bool, str]:
     except (LedgerboxError, TimeoutError) as exc:
         db = f"FAIL ({type(exc).__name__})"
     finally:
-        await store.close()
+        await store.aclose()
     publisher = KafkaPublisher(config.kafka_bootstrap_servers, compression="none")
     kafka = "ok"
     try:
@@ -230,11 +230,11 @@ def status(
         try:
             stats = await store.stats(config.shard_count)
         finally:
-            await store.close()
+            await store.aclose()
         age = stats.oldest_pending_age_s
         typer.echo(f"pending: {stats.pending}")
         typer.echo(f"oldest pending age s: {'-' if age is None else f'{age:.1f}'}")
-        typer.echo(f"dead: {stats.dead}")
+        typer.echo(f"dead-lettered: {stats.dead_lettered}")
         if not stats.owners:
             typer.echo("shards: no lease rows yet (no relay has started)")
         owners: dict[str, list[int]] = {}

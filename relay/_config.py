@@ -12,10 +12,10 @@ from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import sql_identifier
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
 
-__all__ = ["Compression", "OnDead", "RelayConfig"]
+__all__ = ["Compression", "OnDeadLetter", "RelayConfig"]
 
 Compression = Literal["lz4", "zstd", "gzip", "snappy", "none"]
-OnDead = Literal["hold", "skip"]
+OnDeadLetter = Literal["hold", "skip"]
 
 _COMPRESSIONS = ("lz4", "zstd", "gzip", "snappy", "none")
 
@@ -50,9 +50,9 @@ class RelayConfig:
         must be below ``lease_ttl_s / 2``.
     compression : {"lz4", "zstd", "gzip", "snappy", "none"}
         Kafka record batch compression (lz4/zstd/snappy need ``cramjam``, a dependency).
-    on_dead : {"hold", "skip"}
-        What happens to later events of a partition key after one of its events was parked
-        dead: ``"hold"`` (default) keeps them pending until an operator replays or discards
+    on_dead_letter : {"hold", "skip"}
+        What happens to later events of a partition key after one of its events was
+        dead-lettered: ``"hold"`` (default) keeps them pending until an operator replays or discards
         the dead one (per-key order, G3); ``"skip"`` publishes them.
     retention_s : float
         Age after publication at which the leader deletes a row, in seconds (default 7 days).
@@ -77,7 +77,7 @@ class RelayConfig:
 
     Raises
     ------
-    outbox.ConfigurationError
+    ledgerbox.ConfigurationError
         If a value is out of range or a name is not a SQL identifier.
     """
 
@@ -91,7 +91,7 @@ class RelayConfig:
     lease_ttl_s: float = 5.0
     heartbeat_interval_s: float = 1.0
     compression: Compression = "lz4"
-    on_dead: OnDead = "hold"
+    on_dead_letter: OnDeadLetter = "hold"
     retention_s: float = 7 * 86400.0
     relay_id: str | None = None
     shard_count: int = DEFAULT_SHARD_COUNT
@@ -121,7 +121,7 @@ class RelayConfig:
             "heartbeat_interval_s must be in (0, lease_ttl_s / 2]",
         )
         _check(self.compression in _COMPRESSIONS, f"compression must be one of {_COMPRESSIONS}")
-        _check(self.on_dead in ("hold", "skip"), "on_dead must be 'hold' or 'skip'")
+        _check(self.on_dead_letter in ("hold", "skip"), "on_dead_letter must be 'hold' or 'skip'")
         _check(self.retention_s >= 0, "retention_s must be >= 0")
         _check(1 <= self.shard_count <= 32767, "shard_count must be in 1..32767")
         _check(0 <= self.linger_ms <= 10_000, "linger_ms must be in 0..10000")

@@ -1,21 +1,15 @@
-"""Errors of the relay, below ``outbox.LedgerboxError``.
+"""Errors of the relay (the whole tree: :mod:`ledgerbox._core.errors`).
 
-::
-
-    LedgerboxError
-    └── RelayError                 the relay could not do something (see subclasses)
-        └── StoreError             a database call failed; ``transient`` says whether to retry
-
-Driver errors (psycopg) are translated into :class:`StoreError` only in ``relay._store``,
-classified by SQLSTATE, never by message text. Kafka errors are classified by class in
-``relay._policy``.
+Driver errors are translated only at the relay's seams: psycopg's into :class:`StoreError`
+in the store, aiokafka's into :class:`PublishError` in the publisher; both carry the
+:class:`~ledgerbox._core.faults.Fault` of the one classification table.
 """
 
 from __future__ import annotations
 
-from ledgerbox._core.errors import LedgerboxError
+from ledgerbox._core.errors import BrokerError, DatabaseError, LedgerboxError
 
-__all__ = ["RelayError", "StoreError"]
+__all__ = ["PublishError", "RelayError", "StoreError"]
 
 
 class RelayError(LedgerboxError):
@@ -24,21 +18,17 @@ class RelayError(LedgerboxError):
     __module__ = "ledgerbox.relay"
 
 
-class StoreError(RelayError):
-    """A database call of the relay failed.
-
-    Attributes
-    ----------
-    sqlstate : str | None
-        The SQLSTATE of the server error, ``None`` for a client-side failure (connection lost).
-    transient : bool
-        ``True`` if retrying after a pause can succeed (connection errors, class 08, 40001,
-        40P01, 57P0x, 53xxx, 55P03); ``False`` for schema or permission errors.
-    """
+class StoreError(RelayError, DatabaseError):
+    """A database call of the relay failed (``fault``, ``sqlstate``: see
+    :class:`ledgerbox.DatabaseError`). The relay never exits on it: it backs off, reconnects
+    and retries; an ``ENVIRONMENT`` fault turns its health to down with the cause."""
 
     __module__ = "ledgerbox.relay"
 
-    def __init__(self, message: str, *, sqlstate: str | None, transient: bool) -> None:
-        super().__init__(message)
-        self.sqlstate = sqlstate
-        self.transient = transient
+
+class PublishError(RelayError, BrokerError):
+    """A Kafka send of the relay failed (``fault``, ``kind``: see
+    :class:`ledgerbox.BrokerError`). ``MESSAGE``: the record is refused for good and is
+    dead-lettered; otherwise the rows stay pending and are sent again (same key, same id)."""
+
+    __module__ = "ledgerbox.relay"

@@ -6,7 +6,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
     "ACTIVE_LANES",
-    "DEAD_EVENTS",
+    "DEAD_LETTERED",
     "OLDEST_PENDING_AGE",
     "OWNED_SHARDS",
     "PENDING_EVENTS",
@@ -32,7 +32,9 @@ RETRIES = Counter(
     "Retries after a failure, by stage (publish, mark, db, listen, producer)",
     ["stage"],
 )
-DEAD_EVENTS = Counter("ledgerbox_relay_dead_events_total", "Events parked dead (status 2)")
+DEAD_LETTERED = Counter(
+    "ledgerbox_relay_dead_lettered_total", "Events Kafka refused for good, dead-lettered (status 2)"
+)
 OWNED_SHARDS = Gauge("ledgerbox_relay_owned_shards", "Shards this relay holds a lease on")
 ACTIVE_LANES = Gauge(
     "ledgerbox_relay_active_lanes",

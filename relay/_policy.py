@@ -6,60 +6,34 @@ No clock and no I/O: callers pass monotonic times in. Unit-tested in
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from aiokafka import errors as kerr
+from ledgerbox._core.errors import BrokerError
+from ledgerbox._core.faults import Fault
 
 __all__ = [
     "LEADER_SHARD",
-    "ErrorKind",
     "Lease",
     "LeaseBook",
-    "classify_publish_error",
     "fair_share",
-    "held_after_reject",
+    "held_behind_dead_letter",
+    "publish_fault",
 ]
 
 #: Lease row whose owner is the maintenance leader (cleanup, gauges). Not a data shard.
 LEADER_SHARD = -1
 
-# A record Kafka refuses for good: retrying the same bytes to the same topic cannot succeed.
-# Source: Kafka protocol error codes (MESSAGE_TOO_LARGE 10, INVALID_TOPIC_EXCEPTION 17,
-# RECORD_LIST_TOO_LARGE 18, TOPIC_AUTHORIZATION_FAILED 29, INVALID_TIMESTAMP 32,
-# UNSUPPORTED_FOR_MESSAGE_FORMAT 43, POLICY_VIOLATION 44, CORRUPT_MESSAGE 2) and aiokafka's
-# client-side RecordTooLargeError / MessageSizeTooLargeError.
-_PERMANENT: tuple[type[BaseException], ...] = (
-    kerr.MessageSizeTooLargeError,
-    kerr.RecordTooLargeError,
-    kerr.RecordListTooLargeError,
-    kerr.InvalidTopicError,
-    kerr.TopicAuthorizationFailedError,
-    kerr.InvalidTimestampError,
-    kerr.UnsupportedForMessageFormatError,
-    kerr.PolicyViolationError,
-    kerr.CorruptRecordException,
-)
 
+def publish_fault(exc: BaseException) -> Fault:
+    """The fault of a failed send: the :class:`~ledgerbox.relay.PublishError`'s own (the
+    publisher seam translated the client's error), anything else ``TRANSIENT``.
 
-class ErrorKind(enum.Enum):
-    """How to react to a failed send."""
-
-    TRANSIENT = "transient"  # keep the row pending, back off, send again (same key, same id)
-    PERMANENT = "permanent"  # park the row as dead with the reason
-
-
-def classify_publish_error(exc: BaseException) -> ErrorKind:
-    """Classify a publish failure by exception class (never by message text).
-
-    Anything not known to be permanent is transient: a wrong "transient" costs retries, a
-    wrong "permanent" would park a good event.
+    Only ``MESSAGE`` dead-letters the event; a wrong "transient" costs retries, a wrong
+    "message" would dead-letter a good event.
     """
-    if isinstance(exc, _PERMANENT):
-        return ErrorKind.PERMANENT
-    return ErrorKind.TRANSIENT
+    return exc.fault if isinstance(exc, BrokerError) else Fault.TRANSIENT
 
 
 def fair_share(shard_count: int, live_members: int) -> int:
@@ -67,13 +41,13 @@ def fair_share(shard_count: int, live_members: int) -> int:
     return math.ceil(shard_count / max(1, live_members))
 
 
-def held_after_reject(on_dead: str, key: str, rejected_keys: set[str]) -> bool:
+def held_behind_dead_letter(on_dead_letter: str, key: str, rejected_keys: set[str]) -> bool:
     """True if an event of ``key`` must wait because an earlier event of the key is dead.
 
     ``"hold"`` keeps per-key order (G3): later events wait for the operator. ``"skip"``
     publishes them.
     """
-    return on_dead == "hold" and key in rejected_keys
+    return on_dead_letter == "hold" and key in rejected_keys
 
 
 @dataclass(slots=True)

@@ -1,6 +1,9 @@
 """The broker edge of the relay: a ``Publisher`` Protocol and its aiokafka implementation.
 
-The in-memory implementation for tests lives in :mod:`relay.testing`.
+The in-memory implementation for tests lives in :mod:`ledgerbox.relay.testing`. Both raise
+and resolve only :class:`ledgerbox.relay.PublishError` (translated here from aiokafka's
+errors by the one table of :mod:`ledgerbox._core.faults`): Kafka classes never reach the
+relay's policy.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.partitioner import murmur2
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
+from ledgerbox._core.faults import Fault
+from ledgerbox.relay._errors import PublishError
 
 __all__ = ["TEST_SEND_DELAY_ENV", "KafkaPublisher", "OutboundRecord", "Publisher"]
 
@@ -59,25 +64,26 @@ class Publisher(Protocol):
     """What the relay needs from a broker client."""
 
     async def start(self) -> None:
-        """Connect. Raises the client's error if the broker cannot be reached."""
+        """Connect. Raises :class:`PublishError` if the broker cannot be reached."""
 
     async def stop(self) -> None:
         """Flush what was handed over and disconnect."""
 
-    def precheck(self, record: OutboundRecord) -> BaseException | None:
+    def precheck(self, record: OutboundRecord) -> PublishError | None:
         """The error that refuses ``record`` before sending (e.g. too large), else ``None``.
         No I/O."""
 
     async def send_many(self, records: Sequence[OutboundRecord]) -> list[Awaitable[Any]]:
         """Hand records over, in order; one awaitable per record, resolved when the broker
-        confirmed it and raising when it refused it or did not confirm it in time.
+        confirmed it and raising :class:`PublishError` when it refused it or did not confirm
+        it in time. Raises :class:`PublishError` when nothing could be handed over.
 
         Records of one key keep their order (same partition, submitted in order). Several
         records may share one awaitable (one Kafka record batch).
         """
 
     async def check(self) -> None:
-        """Raise if the broker cannot be reached now."""
+        """Raise :class:`PublishError` if the broker cannot be reached now."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -96,8 +102,29 @@ def partition_for(key: bytes, partitions: Sequence[int]) -> int:
 
 def _failed(exc: BaseException) -> asyncio.Future[Any]:
     fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    fut.set_exception(exc)
+    fut.set_exception(PublishError.translate(exc, "send"))
     return fut
+
+
+def translated(fut: asyncio.Future[Any]) -> asyncio.Future[Any]:
+    """A future resolved like ``fut`` (a producer's delivery future) whose failure is the
+    :class:`PublishError` of aiokafka's error. One per record batch, not per record."""
+    ours: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def copy(done: asyncio.Future[Any]) -> None:
+        if ours.done():
+            return
+        if done.cancelled():
+            ours.set_exception(
+                PublishError("send cancelled", fault=Fault.TRANSIENT, kind="Cancelled")
+            )
+        elif (exc := done.exception()) is not None:
+            ours.set_exception(PublishError.translate(exc, "send"))
+        else:
+            ours.set_result(done.result())
+
+    fut.add_done_callback(copy)
+    return ours
 
 
 class KafkaPublisher:
@@ -146,9 +173,11 @@ class KafkaPublisher:
         producer = AIOKafkaProducer(**self._kwargs)
         try:
             await producer.start()
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(Exception):
                 await producer.stop()
+            if isinstance(exc, Exception):
+                raise PublishError.translate(exc, "producer start") from exc
             raise
         self._producer = producer
 
@@ -162,15 +191,16 @@ class KafkaPublisher:
             except (TimeoutError, Exception) as exc:
                 log.warning("producer stop failed: %r", exc)
 
-    def precheck(self, record: OutboundRecord) -> BaseException | None:
+    def precheck(self, record: OutboundRecord) -> PublishError | None:
         size: int = DefaultRecordBatchBuilder.estimate_size_in_bytes(
             key=record.key, value=record.value, headers=record.headers
         )
         if size > _MAX_REQUEST_BYTES:
-            error: BaseException = MessageSizeTooLargeError(
-                f"record of {size} bytes is above max_request_size {_MAX_REQUEST_BYTES}"
+            return PublishError(
+                f"record of {size} bytes is above max_request_size {_MAX_REQUEST_BYTES}",
+                fault=Fault.MESSAGE,
+                kind="MessageSizeTooLargeError",
             )
-            return error
         return None
 
     async def send_many(self, records: Sequence[OutboundRecord]) -> list[Awaitable[Any]]:
@@ -191,7 +221,7 @@ class KafkaPublisher:
             fut: Awaitable[Any] | None = None
             if failure is None:
                 try:
-                    fut = await producer.send_batch(batch, topic, partition=partition)
+                    fut = translated(await producer.send_batch(batch, topic, partition=partition))
                 except Exception as exc:
                     # Nothing after this may be sent: it could overtake these records.
                     failure = exc
@@ -221,7 +251,13 @@ class KafkaPublisher:
                 await submit(record.topic, partition, *entry)
                 entry = open_batches[slot] = (producer.create_batch(), [])
                 if not self._append(entry[0], record):  # never: a first record always fits
-                    futures[i] = _failed(MessageSizeTooLargeError("record does not fit a batch"))
+                    futures[i] = _failed(
+                        PublishError(
+                            "record does not fit a batch",
+                            fault=Fault.MESSAGE,
+                            kind="MessageSizeTooLargeError",
+                        )
+                    )
                     continue
             entry[1].append(i)
         for (topic, partition), (batch, indexes) in open_batches.items():
@@ -243,4 +279,7 @@ class KafkaPublisher:
         if self._producer is None:
             await self.start()
         assert self._producer is not None
-        await self._producer.client.fetch_all_metadata()
+        try:
+            await self._producer.client.fetch_all_metadata()
+        except Exception as exc:
+            raise PublishError.translate(exc, "metadata") from exc

@@ -53,8 +53,8 @@ one UPDATE per batch. Its cost: one row update per event (and the cleanup of tho
 
 Failures: Kafka errors are classified by class (``relay._policy``). Transient ones leave the
 rows pending (resent with the same key and event id) and back off exponentially with jitter
-(the producer is recreated after repeated failures); permanent ones park the row as dead
-(``status = 2``, ``last_error``). With ``on_dead="hold"`` later events of that partition key
+(the producer is recreated after repeated failures); permanent ones dead-letter the row
+(``status = 2``, ``last_error``). With ``on_dead_letter="hold"`` later events of that partition key
 wait (the claim skips them) until an operator replays or discards the dead one; with
 ``"skip"`` they are published. A failed mark after a successful send is retried with
 backoff; if the process dies meanwhile the rows are sent again (duplicates carry the same
@@ -80,6 +80,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from ledgerbox._core.backoff import Backoff
+from ledgerbox._core.errors import BrokerError
+from ledgerbox._core.faults import Fault
 from ledgerbox._core.names import (
     CONTENT_TYPE,
     H_AGG_ID,
@@ -99,11 +101,10 @@ from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import StoreError
 from ledgerbox.relay._policy import (
     LEADER_SHARD,
-    ErrorKind,
     LeaseBook,
-    classify_publish_error,
     fair_share,
-    held_after_reject,
+    held_behind_dead_letter,
+    publish_fault,
 )
 from ledgerbox.relay._publisher import KafkaPublisher, OutboundRecord, Publisher
 from ledgerbox.relay._store import ClaimedEvent, RelayStore
@@ -181,8 +182,10 @@ class _Lane:
 
 
 def _reason(exc: BaseException) -> str:
+    # A translated Kafka error is named by the client's class (e.g. MessageSizeTooLargeError).
+    name = exc.kind if isinstance(exc, BrokerError) else type(exc).__name__
     text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return f"{name}: {text}" if text else name
 
 
 class Relay:
@@ -281,7 +284,7 @@ class Relay:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-            await self.close()
+            await self.aclose()
 
     async def run_once(self) -> int:
         """One cycle: heartbeat (membership and leases), then one claim/publish/mark per
@@ -317,7 +320,7 @@ class Relay:
         for lane in self._lanes:
             lane.wake.set()
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Release leases and the member row, flush and stop the producer, disconnect."""
         self._stopping.set()  # a mark still retrying gives up after its third attempt
         for lane in self._lanes:
@@ -339,13 +342,13 @@ class Relay:
         for lane in self._lanes:
             stores += [lane.store, lane.mark_store]
         for store in stores:
-            await store.close()
+            await store.aclose()
 
     async def __aenter__(self) -> Relay:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        await self.aclose()
 
     def owned_shards(self) -> list[int]:
         """Data shards this relay may publish now (for tests and status)."""
@@ -462,7 +465,10 @@ class Relay:
         shards = shards[start:] + shards[:start]
         fences = {s: self._book.fence(s) for s in shards}
         events = await lane.store.claim_batch(
-            shards, self.config.batch_size, hold=self.config.on_dead == "hold", exclude=exclude
+            shards,
+            self.config.batch_size,
+            hold=self.config.on_dead_letter == "hold",
+            exclude=exclude,
         )
         return events, fences
 
@@ -521,7 +527,7 @@ class Relay:
                 # The prefetched claim may hold later rows of a key whose row failed or died.
                 await self._drop_prefetch(lane)
             for event, reason in dead:
-                await self._mark_dead(lane, event, fences[event.shard], reason)
+                await self._dead_letter(lane, event, fences[event.shard], reason)
             await self._finish_marking(lane)
             published = 0
             if confirmed:
@@ -568,13 +574,13 @@ class Relay:
     ) -> tuple[list[ClaimedEvent], list[tuple[ClaimedEvent, str]], BaseException | None]:
         """Send all, call ``after_send`` (records handed over), then await all.
         Returns (confirmed, dead with reason, transient error)."""
-        on_dead = self.config.on_dead
+        on_dead_letter = self.config.on_dead_letter
         rejected: set[str] = set()
         dead: list[tuple[ClaimedEvent, str]] = []
         sendable: list[tuple[ClaimedEvent, OutboundRecord]] = []
         failure: BaseException | None = None
         for event in events:
-            if held_after_reject(on_dead, event.partition_key, rejected):
+            if held_behind_dead_letter(on_dead_letter, event.partition_key, rejected):
                 continue
             record = to_record(event)
             refused = self._publisher.precheck(record)
@@ -605,13 +611,13 @@ class Relay:
         for (event, _), result in zip(sendable, results, strict=True):
             if not isinstance(result, BaseException):
                 confirmed.append(event)
-            elif classify_publish_error(result) is ErrorKind.PERMANENT:
+            elif publish_fault(result) is Fault.MESSAGE:
                 suspects.append(event)
             else:
                 failure = failure or result
         if suspects:
             # The broker rejects a whole record batch for one bad record: send each suspect
-            # alone, so only the record that fails on its own is parked.
+            # alone, so only the record that fails on its own is dead-lettered.
             ok, bad, err = await self._isolate(suspects, rejected)
             confirmed.extend(ok)
             dead.extend(bad)
@@ -624,13 +630,13 @@ class Relay:
         ok: list[ClaimedEvent] = []
         bad: list[tuple[ClaimedEvent, str]] = []
         for event in suspects:
-            if held_after_reject(self.config.on_dead, event.partition_key, rejected):
+            if held_behind_dead_letter(self.config.on_dead_letter, event.partition_key, rejected):
                 continue
             try:
                 (future,) = await self._publisher.send_many([to_record(event)])
                 await future
             except Exception as exc:
-                if classify_publish_error(exc) is not ErrorKind.PERMANENT:
+                if publish_fault(exc) is not Fault.MESSAGE:
                     return ok, bad, exc
                 bad.append((event, _reason(exc)))
                 rejected.add(event.partition_key)
@@ -676,14 +682,16 @@ class Relay:
         m.PUBLISHED.inc(n)
         return n
 
-    async def _mark_dead(self, lane: _Lane, event: ClaimedEvent, fence: int, reason: str) -> None:
+    async def _dead_letter(self, lane: _Lane, event: ClaimedEvent, fence: int, reason: str) -> None:
         n = await self._retry_store(
-            "mark_dead", lambda: lane.store.mark_dead(event.id, fence, reason), event
+            "mark_dead_lettered",
+            lambda: lane.store.mark_dead_lettered(event.id, fence, reason),
+            event,
         )
         if n:
-            m.DEAD_EVENTS.inc()
+            m.DEAD_LETTERED.inc()
             log.error(
-                "event parked dead: %s",
+                "event dead-lettered: %s",
                 reason,
                 extra={"event_id": str(event.event_id), "partition_key": event.partition_key},
             )
@@ -751,7 +759,7 @@ class Relay:
                 for lane in self._lanes[self._wanted : self._active]:
                     for store in lane.stores:
                         if id(store) not in kept:  # (tests may share one store)
-                            await store.close()
+                            await store.aclose()
             if self._wanted != self._active and not self._stopping.is_set():
                 log.info(
                     "lanes %d -> %d (%s)",
@@ -839,7 +847,7 @@ class Relay:
                 attempt += 1
                 m.RETRIES.labels(stage="listen").inc()
                 log.warning("LISTEN connection lost: %s", exc, extra={"attempt": attempt})
-                await self._listen_store.close()
+                await self._listen_store.aclose()
                 await self._sleep(self._backoff.delay_s(attempt))
 
     async def _maintenance_loop(self) -> None:

@@ -2,7 +2,8 @@
 
 One method per query; the SQL text is kept in named constants. psycopg 3 ``AsyncConnection``
 in autocommit mode (every statement is its own transaction; nothing is held open between
-calls). Driver errors are translated into :class:`relay.StoreError`, classified by SQLSTATE.
+calls). Driver errors are translated into :class:`ledgerbox.relay.StoreError` here only,
+classified by the one table of :mod:`ledgerbox._core.faults`.
 
 Every time comparison uses the database's ``now()``: clocks of relay machines are never
 compared with each other.
@@ -21,7 +22,7 @@ from psycopg import sql
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import StoreError
 
-__all__ = ["ClaimedEvent", "RelayStats", "RelayStore", "is_transient_sqlstate"]
+__all__ = ["ClaimedEvent", "RelayStats", "RelayStore"]
 
 log = logging.getLogger("ledgerbox.relay.store")
 
@@ -129,7 +130,7 @@ WHERE o.id = ANY(%(ids)s::int8[]) AND o.status = 0
     WHERE l.owner = %(me)s))
 """
 
-MARK_DEAD: LiteralString = """
+MARK_DEAD_LETTERED: LiteralString = """
 UPDATE {outbox} AS o SET status = 2, last_error = %(error)s, attempts = o.attempts + 1
 FROM {lease} AS l
 WHERE o.id = %(id)s AND o.status = 0 AND l.shard = o.shard AND l.owner = %(me)s
@@ -167,19 +168,6 @@ SELECT shard, owner, fence, owner IS NOT NULL AND expires_at > now() FROM {lease
 ORDER BY shard
 """
 
-# SQLSTATE classes and codes after which the same statement can succeed later.
-_TRANSIENT_CLASSES = ("08", "53", "57")
-_TRANSIENT_CODES = frozenset({"40001", "40P01", "55P03", "55006", "25006"})
-
-
-def is_transient_sqlstate(sqlstate: str | None) -> bool:
-    """True for errors worth retrying: no SQLSTATE (client side: connection lost), class 08
-    (connection), 53 (resources), 57 (operator intervention, e.g. 57P01 admin shutdown),
-    40001/40P01 (serialization, deadlock), 55P03 (lock not available)."""
-    if sqlstate is None:
-        return True
-    return sqlstate[:2] in _TRANSIENT_CLASSES or sqlstate in _TRANSIENT_CODES
-
 
 @dataclass(frozen=True, slots=True)
 class ClaimedEvent:
@@ -210,7 +198,7 @@ class RelayStats:
     """What ``relay status`` shows."""
 
     pending: int
-    dead: int
+    dead_lettered: int
     oldest_pending_age_s: float | None
     owners: list[tuple[int, str | None, int, bool]]
 
@@ -266,7 +254,7 @@ class RelayStore:
                 raise _translate(exc, "connect") from exc
         return self._conn
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Close the connection (idempotent)."""
         conn, self._conn = self._conn, None
         if conn is not None and not conn.closed:
@@ -298,7 +286,7 @@ class RelayStore:
     async def _after_error(self) -> None:
         # A broken connection is dropped so that the next call reconnects.
         if self._conn is not None and (self._conn.closed or self._conn.broken):
-            await self.close()
+            await self.aclose()
 
     # -- leases and membership ---------------------------------------------------------------
 
@@ -385,10 +373,10 @@ class RelayStore:
         }
         return await self._run(MARK_PUBLISHED, params, "mark_published")
 
-    async def mark_dead(self, event_id: int, shard_fence: int, error: str) -> int:
-        """Park one row as dead (``status = 2``) with a readable reason (fenced)."""
+    async def mark_dead_lettered(self, event_id: int, shard_fence: int, error: str) -> int:
+        """Dead-letter one row (``status = 2``) with a readable reason (fenced)."""
         params = {"me": self.me, "id": event_id, "fence": shard_fence, "error": error[:2000]}
-        return await self._run(MARK_DEAD, params, "mark_dead")
+        return await self._run(MARK_DEAD_LETTERED, params, "mark_dead_lettered")
 
     # -- maintenance -------------------------------------------------------------------------
 
@@ -408,7 +396,7 @@ class RelayStore:
         pending, dead, age = counts[0]
         return RelayStats(
             pending=int(pending),
-            dead=int(dead),
+            dead_lettered=int(dead),
             oldest_pending_age_s=None if age is None else float(age),
             owners=[(int(s), o, int(f), bool(live)) for s, o, f, live in owners],
         )
@@ -447,9 +435,7 @@ def _shard_and_id(row: tuple[Any, ...]) -> tuple[int, int]:
 
 
 def _translate(exc: psycopg.Error, what: str) -> StoreError:
-    sqlstate = exc.sqlstate
-    return StoreError(
-        f"{what} failed: {type(exc).__name__} (SQLSTATE {sqlstate or 'none'}): {exc}",
-        sqlstate=sqlstate,
-        transient=is_transient_sqlstate(sqlstate),
-    )
+    # The one classification table (ledgerbox._core.faults): a psycopg error always has a fault.
+    error = StoreError.translate(exc, what)
+    assert error is not None
+    return error

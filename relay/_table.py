@@ -20,7 +20,7 @@ class RelayTables:
 
     Raises
     ------
-    outbox.ConfigurationError
+    ledgerbox.ConfigurationError
         If a name is not a valid SQL identifier.
     """
 

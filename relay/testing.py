@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from ledgerbox.relay._errors import PublishError
 from ledgerbox.relay._publisher import OutboundRecord
 
 __all__ = ["InMemoryPublisher"]
@@ -25,8 +26,10 @@ class InMemoryPublisher:
     Faults are injected per record: ``reject_on_send(pred, exc)`` refuses matching records
     before sending (``precheck``, a client-side refusal such as "too large"),
     ``fail_delivery(pred, exc)`` fails their delivery future (a broker-side failure),
-    ``fail_next_sends(n, exc)`` fails the next ``n`` deliveries of any record. Records whose
-    delivery failed are NOT in :attr:`records`.
+    ``fail_next_sends(n, exc)`` fails the next ``n`` deliveries of any record. ``exc`` may be
+    an aiokafka error: like the real publisher, this seam hands the relay its
+    :class:`ledgerbox.relay.PublishError` (same classification). Records whose delivery
+    failed are NOT in :attr:`records`.
 
     Attributes
     ----------
@@ -70,10 +73,10 @@ class InMemoryPublisher:
     async def check(self) -> None:
         return None
 
-    def precheck(self, record: OutboundRecord) -> BaseException | None:
+    def precheck(self, record: OutboundRecord) -> PublishError | None:
         for pred, exc in self._send_rejects:
             if pred(record):
-                return exc
+                return PublishError.translate(exc, "send")
         return None
 
     async def send_many(self, records: Sequence[OutboundRecord]) -> list[Awaitable[Any]]:
@@ -81,14 +84,14 @@ class InMemoryPublisher:
         futures: list[Awaitable[Any]] = []
         for record in records:
             fut: asyncio.Future[None] = loop.create_future()
-            failure = self.precheck(record)
+            failure: BaseException | None = self.precheck(record)
             if failure is None and self._fail_next:
                 failure = self._fail_next.pop(0)
             for pred, exc in self._delivery_faults:
                 if failure is None and pred(record):
                     failure = exc
             if failure is not None:
-                fut.set_exception(failure)
+                fut.set_exception(PublishError.translate(failure, "send"))
             else:
                 self.records.append(record)
                 fut.set_result(None)

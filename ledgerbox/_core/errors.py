@@ -4,23 +4,25 @@
 
     ledgerbox.LedgerboxError
     ├── ledgerbox.ConfigurationError        a setting or name is invalid (also ValueError)
+    ├── ledgerbox.DatabaseError             a database call failed (fault, sqlstate, constraint)
+    ├── ledgerbox.BrokerError               a Kafka call failed (fault, kind)
     ├── ledgerbox.outbox
     │   ├── EventValidationError            an event cannot be written (also ValueError)
     │   │   ├── NaiveDatetimeError          a datetime without tzinfo in envelope or payload
     │   │   ├── PayloadTooLargeError        serialized payload above ``max_payload_bytes``
     │   │   └── UnroutedEventError          no topic route for the event/aggregate type
-    │   ├── EnvelopeParseError              a Kafka record is not a ledgerbox event
-    │   └── DuplicateEventError             an idempotency key was already written
+    │   └── EnvelopeParseError              a Kafka record is not a ledgerbox event
     ├── ledgerbox.relay
     │   └── RelayError                      the relay could not do something
-    │       └── StoreError                  a database call of the relay failed
+    │       ├── StoreError                  (also DatabaseError)
+    │       └── PublishError                (also BrokerError)
     └── ledgerbox.inbox
         └── InboxError                      any inbox failure
             ├── VersionConflictError        optimistic version check matched no row (G5)
             ├── FencedWriteError            a fenced write was refused: a newer holder wrote
             ├── LockBusyError               the per-aggregate lock stayed taken
             ├── RedisUnavailableError       Redis did not answer; the DB path carries on (G6)
-            └── DeadLetterError             the dead-letter topic refused a record (retried)
+            └── DeadLetterError             (also BrokerError) a dead-letter send failed
 
 Driver errors (psycopg, SQLAlchemy, aiokafka, redis) are translated into these only at the
 seams (the relay store, the inbox store and transaction, the Redis edges, the Kafka edges),
@@ -30,7 +32,11 @@ message text. Every exception reports its public import path (``__module__``).
 
 from __future__ import annotations
 
-__all__ = ["ConfigurationError", "LedgerboxError"]
+from typing import Self
+
+from ledgerbox._core.faults import Fault, describe_driver_error, driver_fault, kafka_fault
+
+__all__ = ["BrokerError", "ConfigurationError", "DatabaseError", "LedgerboxError"]
 
 
 class LedgerboxError(Exception):
@@ -43,3 +49,84 @@ class ConfigurationError(LedgerboxError, ValueError):
     """A configuration value is invalid (e.g. a table name that is not a SQL identifier)."""
 
     __module__ = "ledgerbox"
+
+
+class DatabaseError(LedgerboxError):
+    """A database call failed. Translated from the driver's error (psycopg, SQLAlchemy) at
+    the seam that made the call; the driver's error is the ``__cause__``.
+
+    Attributes
+    ----------
+    fault : Fault
+        Whose fault it is (``ledgerbox._core.faults``): ``ENVIRONMENT`` (connection, schema,
+        grants, read-only, disk...), ``TRANSIENT``, ``MESSAGE`` or ``DUPLICATE``.
+    sqlstate : str | None
+        The server's SQLSTATE, ``None`` for a client-side failure (connection lost).
+    constraint : str | None
+        The constraint the server named (unique and foreign key violations), else ``None``.
+    """
+
+    __module__ = "ledgerbox"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        fault: Fault,
+        sqlstate: str | None = None,
+        constraint: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.fault = fault
+        self.sqlstate = sqlstate
+        self.constraint = constraint
+
+    @classmethod
+    def translate(cls, exc: BaseException, what: str) -> Self | None:
+        """The library error for the driver error ``exc`` raised by ``what`` (e.g.
+        ``"claim"``), or ``None`` when ``exc`` is not a database driver error."""
+        found = driver_fault(exc)
+        if found is None:
+            return None
+        fault, sqlstate, constraint = found
+        return cls(
+            f"{what} failed: {describe_driver_error(exc)}",
+            fault=fault,
+            sqlstate=sqlstate,
+            constraint=constraint,
+        )
+
+
+class BrokerError(LedgerboxError):
+    """A Kafka call failed. Translated from aiokafka's error at the Kafka seam that made the
+    call; aiokafka's error is the ``__cause__``.
+
+    Attributes
+    ----------
+    fault : Fault
+        ``MESSAGE`` (this record is refused for good: too large, corrupt), ``ENVIRONMENT``
+        (authorization, unknown topic, SASL, no broker) or ``TRANSIENT``.
+    kind : str
+        The Kafka client's error class name, e.g. ``"NotEnoughReplicasError"`` (for logs and
+        for the few rules that depend on the exact refusal, such as a refused timestamp).
+    """
+
+    __module__ = "ledgerbox"
+
+    def __init__(self, message: str, *, fault: Fault, kind: str) -> None:
+        super().__init__(message)
+        self.fault = fault
+        self.kind = kind
+
+    @classmethod
+    def translate(cls, exc: BaseException, what: str) -> Self:
+        """The library error for the Kafka client error ``exc`` raised by ``what``."""
+        if isinstance(exc, cls):
+            return exc
+        text = str(exc).strip().splitlines()
+        detail = f": {text[0]}" if text else ""
+        return cls(
+            f"{what} failed: {type(exc).__name__}{detail}",
+            fault=kafka_fault(exc),
+            kind=type(exc).__name__,
+        )

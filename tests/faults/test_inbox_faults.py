@@ -626,6 +626,6 @@ async def test_c13_handler_failing_for_good_is_dead_lettered_with_failed_inbox_r
     assert topic == "orders.dlq" and value == kafka_parts(event)[1]
     assert dict(headers)["ledgerbox_attempts"] == b"3"
     [(event_id, status, error)] = inbox_rows(engine, group)
-    assert (event_id, status) == (event.event_id, InboxStatus.FAILED)
+    assert (event_id, status) == (event.event_id, InboxStatus.DEAD_LETTERED)
     assert error is not None and "TimeoutError" in error
     assert DUPLICATES.labels(group, "db")._value.get() == 0

@@ -25,6 +25,7 @@ from psycopg import sql as psycopg_sql
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
+from ledgerbox._core.faults import Fault
 from ledgerbox.relay import Relay, StoreError
 from ledgerbox.relay._store import CLAIM_BATCH_HOLD, RelayStore
 from tests import _relay_support as rs
@@ -101,7 +102,7 @@ async def test_c01_out_of_order_commit_not_skipped(
         assert await relay.run_once() == 0
     finally:
         t1.close()
-        await relay.close()
+        await relay.aclose()
     records = await rs.consume(kafka_bootstrap, topic, until=lambda r: len(r) >= 2)
     assert _ids(records) == {str(e1.event_id), str(e2.event_id)}
     assert rs.pending_count(engine) == 0
@@ -126,7 +127,7 @@ async def test_c01_same_aggregate_kafka_order_is_commit_order(
         assert await relay.run_once() == 1
     finally:
         t1.close()
-        await relay.close()
+        await relay.aclose()
     records = await rs.consume(kafka_bootstrap, topic, until=lambda r: len(r) >= 2)
     assert [rs.header(r, "ce_id") for r in records] == [str(e2.event_id), str(e1.event_id)]
 
@@ -249,7 +250,7 @@ class _FlakyMarkStore(RelayStore):
         self.calls += 1
         if self.failures > 0:
             self.failures -= 1
-            raise StoreError("injected: connection lost", sqlstate="08006", transient=True)
+            raise StoreError("injected: connection lost", sqlstate="08006", fault=Fault.ENVIRONMENT)
         return await super().mark_published(ids, fences)
 
 
@@ -289,7 +290,7 @@ async def test_c04_mark_fails_three_times_after_send(
     try:
         assert await healthy.run_once() == 1
     finally:
-        await healthy.close()
+        await healthy.aclose()
     records = await rs.consume(kafka_bootstrap, topic, until=lambda r: len(r) >= 3)
     copies = [r for r in records if rs.header(r, "ce_id") == str(e2.event_id)]
     assert len(copies) == 2
@@ -401,7 +402,7 @@ async def test_c08_writer_killed_after_commit_relay_publishes_later(
     try:
         assert await relay.run_once() == 1
     finally:
-        await relay.close()
+        await relay.aclose()
     records = await rs.consume(kafka_bootstrap, topic, until=lambda r: len(r) >= 1)
     assert len(records) == 1
     r = records[0]
@@ -412,7 +413,7 @@ async def test_c08_writer_killed_after_commit_relay_publishes_later(
     assert json.loads(r.value or b"") == {"seq": 1, "amount": "100.00"}
 
 
-# --------------------------------------------------------------------------- on_dead
+# --------------------------------------------------------------------------- on_dead_letter
 
 
 async def test_permanent_reject_parks_dead_and_holds_the_key(
@@ -428,15 +429,15 @@ async def test_permanent_reject_parks_dead_and_holds_the_key(
     rs.stage(engine, writer, [bad, rs.event(writer, "k-bad", 2), rs.event(writer, "k-ok", 1)])
     publisher = InMemoryPublisher()
     publisher.reject_on_send(lambda r: b'"huge"' in r.value, MessageSizeTooLargeError())
-    before = _metric("ledgerbox_relay_dead_events_total")
+    before = _metric("ledgerbox_relay_dead_lettered_total")
     relay = Relay(rs.config(database_url, "unused:9092"), publisher=publisher)
     try:
         assert await relay.run_once() == 1
         assert await relay.run_once() == 0
     finally:
-        await relay.close()
+        await relay.aclose()
     assert [(r.key, json.loads(r.value)["seq"]) for r in publisher.records] == [(b"k-ok", 1)]
-    assert _metric("ledgerbox_relay_dead_events_total") - before == 1
+    assert _metric("ledgerbox_relay_dead_lettered_total") - before == 1
     with engine.connect() as conn:
         rows = conn.execute(
             text(
@@ -447,11 +448,13 @@ async def test_permanent_reject_parks_dead_and_holds_the_key(
     assert [(k, s) for k, s, _ in rows] == [("k-bad", 2), ("k-bad", 0), ("k-ok", 1)]
     assert rows[0][2].startswith("MessageSizeTooLargeError")
 
-    skipping = Relay(rs.config(database_url, "unused:9092", on_dead="skip"), publisher=publisher)
+    skipping = Relay(
+        rs.config(database_url, "unused:9092", on_dead_letter="skip"), publisher=publisher
+    )
     try:
-        assert await skipping.run_once() == 1, "on_dead='skip' publishes the held event"
+        assert await skipping.run_once() == 1, "on_dead_letter='skip' publishes the held event"
     finally:
-        await skipping.close()
+        await skipping.aclose()
     assert publisher.records[-1].key == b"k-bad"
 
 
@@ -560,7 +563,7 @@ async def test_c14_cleanup_bounded_batches_never_deletes_pending(
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
     finally:
-        await store.close()
+        await store.aclose()
     assert sum(sizes) == 200000
     assert max(sizes) <= 1000, "bounded batches"
     assert max(lock_waits, default=0) == 0, "no table lock"

@@ -496,7 +496,7 @@ async def test_replayed_dead_letter_takes_over_its_failed_row_batched_and_alone(
     finally:
         await consumer.aclose()
     assert first == [Outcome.DEAD_LETTERED, Outcome.DEAD_LETTERED, Outcome.APPLIED]
-    assert [(r[1], r[3]) for r in parked] == [(InboxStatus.FAILED, False)] * 2 + [
+    assert [(r[1], r[3]) for r in parked] == [(InboxStatus.DEAD_LETTERED, False)] * 2 + [
         (InboxStatus.DONE, True)
     ]
     assert replay_batch == [Outcome.APPLIED, Outcome.DUPLICATE]

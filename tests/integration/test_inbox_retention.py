@@ -9,8 +9,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import Engine
 
+from ledgerbox import ConfigurationError
 from ledgerbox.inbox import ConsumerConfig, InboxConsumer
-from ledgerbox.outbox import ConfigurationError
 
 
 async def test_purge_deletes_only_rows_older_than_the_window(

@@ -43,7 +43,7 @@ def test_status_and_run_until_sigterm(engine: Engine, database_url: str) -> None
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == f"pending: {rs.pending_count(engine)}"
-    assert lines[2] == "dead: 1"
+    assert lines[2] == "dead-lettered: 1"
     assert lines[3] == "shards: no lease rows yet (no relay has started)", lines
 
     proc = rs.relay_process(database_url, "127.0.0.1:9092", "--relay-id", "cli-run")

@@ -92,7 +92,7 @@ async def test_run_once_runs_one_batch_per_lane(engine: Engine, database_url: st
         assert await relay.run_once() == 2
         assert await relay.run_once() == 0
     finally:
-        await relay.close()
+        await relay.aclose()
     seen: dict[bytes, list[int]] = {}
     for record in publisher.records:
         seen.setdefault(record.key, []).append(json.loads(record.value)["seq"])

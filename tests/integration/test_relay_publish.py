@@ -43,7 +43,7 @@ async def test_published_record_has_key_value_timestamp_headers(
         assert await relay.run_once() == 1
         assert await relay.run_once() == 0
     finally:
-        await relay.close()
+        await relay.aclose()
     records = await rs.consume(kafka_bootstrap, topic, until=lambda r: len(r) >= 1)
     assert len(records) == 1
     record = records[0]
@@ -80,7 +80,7 @@ async def test_run_once_publishes_one_batch_in_key_order(engine: Engine, databas
         assert relay.is_leader()
         assert len(relay.owned_shards()) == 64
     finally:
-        await relay.close()
+        await relay.aclose()
     seen: dict[bytes, list[int]] = {}
     for record in publisher.records:
         seen.setdefault(record.key, []).append(json.loads(record.value)["seq"])
@@ -160,7 +160,7 @@ async def test_claimed_record_is_byte_identical_to_kafka_headers(
     try:
         claimed = await store.claim_batch(list(range(config.shard_count)), 100, hold=True)
     finally:
-        await store.close()
+        await store.aclose()
     by_id = {c.event_id: c for c in claimed}
     assert len(by_id) == len(events)
     for ev in events:

@@ -23,7 +23,7 @@ print(",".join(heavy))
     [
         "from ledgerbox import relay; relay.Relay, relay.RelayConfig, relay.KafkaPublisher",
         "import ledgerbox.relay._cli",
-        "from ledgerbox import outbox; outbox.ConfigurationError, outbox.DEFAULT_SHARD_COUNT",
+        "from ledgerbox import outbox; outbox.EnvelopeParseError, outbox.DEFAULT_SHARD_COUNT",
         # the console script resolving `ledgerbox relay ...`
         "import ledgerbox.cli as c, typer\n"
         "typer.main.get_command(c.app).get_command(None, 'relay')",

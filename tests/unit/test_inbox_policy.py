@@ -10,7 +10,8 @@ import psycopg.errors as pe
 import pytest
 import sqlalchemy.exc as sa_exc
 
-from ledgerbox import inbox
+from ledgerbox import DatabaseError, LedgerboxError, inbox
+from ledgerbox._core.faults import Fault
 from ledgerbox.inbox import (
     ConsumerConfig,
     FencedWriteError,
@@ -21,8 +22,9 @@ from ledgerbox.inbox import (
 )
 from ledgerbox.inbox._config import RetentionWarning
 from ledgerbox.inbox._deadletter import dead_letter_headers
-from ledgerbox.inbox._policy import ErrorClass, check_transition, classify, should_retry
-from ledgerbox.outbox import EnvelopeParseError, LedgerboxError
+from ledgerbox.inbox._policy import check_transition, classify, should_retry
+from ledgerbox.inbox._tx import translate_errors
+from ledgerbox.outbox import EnvelopeParseError
 
 
 class _Diag:
@@ -30,40 +32,20 @@ class _Diag:
         self.constraint_name = constraint_name
 
 
-class FakeUniqueViolation(Exception):
-    sqlstate = "23505"
+class FakeUniqueViolation(pe.UniqueViolation):
+    """A psycopg unique violation naming ``constraint`` (a real one gets it from the server)."""
 
     def __init__(self, constraint: str | None) -> None:
         super().__init__("duplicate key value violates unique constraint (text never read)")
-        self.diag = _Diag(constraint)
+        self._fake_diag = _Diag(constraint)
+
+    @property
+    def diag(self) -> _Diag:  # type: ignore[override]
+        return self._fake_diag
 
 
 def wrapped(orig: Exception) -> BaseException:
     return sa_exc.DBAPIError.instance("INSERT ...", {}, orig, psycopg.Error)
-
-
-def test_public_names_are_pinned() -> None:
-    assert inbox.__all__ == [
-        "AggregateLock",
-        "ConsumerConfig",
-        "DedupStore",
-        "FencedWriteError",
-        "HandlerContext",
-        "InboxConsumer",
-        "InboxError",
-        "InboxStatus",
-        "InboxTable",
-        "LockBusyError",
-        "Outcome",
-        "RedisAggregateLock",
-        "RedisDedupStore",
-        "RedisUnavailableError",
-        "VersionConflictError",
-        "afenced_update",
-        "aupdate_versioned",
-        "fenced_update",
-        "update_versioned",
-    ]
 
 
 def test_error_tree_has_the_ledgerbox_root() -> None:
@@ -73,37 +55,61 @@ def test_error_tree_has_the_ledgerbox_root() -> None:
     assert VersionConflictError.__module__ == "ledgerbox.inbox"
 
 
+def seam(exc: BaseException) -> BaseException:
+    """What the inbox's database seam (``translate_errors``) raises for ``exc``."""
+    try:
+        with translate_errors("test"):
+            raise exc
+    except BaseException as raised:
+        return raised
+    raise AssertionError("unreachable")
+
+
 @pytest.mark.parametrize(
     ("exc", "expected"),
     [
-        (pe.SerializationFailure(), ErrorClass.TRANSIENT),
-        (pe.DeadlockDetected(), ErrorClass.TRANSIENT),
-        (pe.LockNotAvailable(), ErrorClass.TRANSIENT),
-        (pe.QueryCanceled(), ErrorClass.TRANSIENT),
-        (wrapped(pe.SerializationFailure()), ErrorClass.TRANSIENT),
-        (VersionConflictError("t", {"id": 1}, 3), ErrorClass.TRANSIENT),
-        (FencedWriteError("t", {"id": 1}, 7), ErrorClass.TRANSIENT),
-        (LockBusyError("busy"), ErrorClass.TRANSIENT),
-        (TimeoutError(), ErrorClass.TRANSIENT),
-        (pe.AdminShutdown(), ErrorClass.UNAVAILABLE),
-        (pe.TooManyConnections(), ErrorClass.UNAVAILABLE),
-        (pe.ConnectionFailure(), ErrorClass.UNAVAILABLE),
-        (psycopg.OperationalError("connection refused"), ErrorClass.UNAVAILABLE),
-        (wrapped(psycopg.OperationalError("server closed the connection")), ErrorClass.UNAVAILABLE),
-        (ConnectionRefusedError(), ErrorClass.UNAVAILABLE),
-        (FakeUniqueViolation("inbox_pkey"), ErrorClass.DUPLICATE),
-        (wrapped(FakeUniqueViolation("inbox_pkey")), ErrorClass.DUPLICATE),
-        (FakeUniqueViolation("payments_order_id_key"), ErrorClass.PERMANENT),
-        (FakeUniqueViolation(None), ErrorClass.PERMANENT),
-        (pe.NotNullViolation(), ErrorClass.PERMANENT),
-        (pe.UndefinedTable(), ErrorClass.PERMANENT),
-        (EnvelopeParseError("bad"), ErrorClass.PERMANENT),
-        (ValueError("bug"), ErrorClass.PERMANENT),
-        (KeyError("amount"), ErrorClass.PERMANENT),
+        (pe.SerializationFailure(), Fault.TRANSIENT),
+        (pe.DeadlockDetected(), Fault.TRANSIENT),
+        (wrapped(pe.SerializationFailure()), Fault.TRANSIENT),
+        (VersionConflictError("t", {"id": 1}, 3), Fault.TRANSIENT),
+        (FencedWriteError("t", {"id": 1}, 7), Fault.TRANSIENT),
+        (LockBusyError("busy"), Fault.TRANSIENT),
+        (TimeoutError(), Fault.TRANSIENT),
+        (pe.LockNotAvailable(), Fault.ENVIRONMENT),
+        (pe.QueryCanceled(), Fault.ENVIRONMENT),
+        (pe.AdminShutdown(), Fault.ENVIRONMENT),
+        (pe.TooManyConnections(), Fault.ENVIRONMENT),
+        (pe.DiskFull(), Fault.ENVIRONMENT),
+        (pe.ConnectionFailure(), Fault.ENVIRONMENT),
+        (pe.UndefinedTable(), Fault.ENVIRONMENT),
+        (pe.UndefinedColumn(), Fault.ENVIRONMENT),
+        (pe.InsufficientPrivilege(), Fault.ENVIRONMENT),
+        (pe.ReadOnlySqlTransaction(), Fault.ENVIRONMENT),
+        (psycopg.OperationalError("connection refused"), Fault.ENVIRONMENT),
+        (wrapped(psycopg.OperationalError("server closed the connection")), Fault.ENVIRONMENT),
+        (ConnectionRefusedError(), Fault.ENVIRONMENT),
+        (FakeUniqueViolation("inbox_pkey"), Fault.DUPLICATE),
+        (wrapped(FakeUniqueViolation("inbox_pkey")), Fault.DUPLICATE),
+        (FakeUniqueViolation("payments_order_id_key"), Fault.MESSAGE),
+        (FakeUniqueViolation(None), Fault.MESSAGE),
+        (pe.NotNullViolation(), Fault.MESSAGE),
+        (pe.InvalidTextRepresentation(), Fault.MESSAGE),
+        (EnvelopeParseError("bad"), Fault.MESSAGE),
+        (ValueError("bug"), Fault.MESSAGE),
+        (KeyError("amount"), Fault.MESSAGE),
     ],
 )
-def test_classify(exc: BaseException, expected: ErrorClass) -> None:
-    assert classify(exc, inbox_constraint="inbox_pkey") is expected
+def test_classify(exc: BaseException, expected: Fault) -> None:
+    assert classify(seam(exc), inbox_constraint="inbox_pkey") is expected
+
+
+def test_the_seam_translates_driver_errors_and_passes_the_rest() -> None:
+    translated = seam(wrapped(pe.UndefinedTable()))
+    assert isinstance(translated, DatabaseError)
+    assert translated.sqlstate == "42P01"
+    assert isinstance(translated.__cause__, sa_exc.DBAPIError)
+    plain = ValueError("bug")
+    assert seam(plain) is plain
 
 
 def test_classify_follows_the_cause_chain() -> None:
@@ -113,25 +119,25 @@ def test_classify_follows_the_cause_chain() -> None:
         except pe.DeadlockDetected as inner:
             raise RuntimeError("handler wrapped it") from inner
     except RuntimeError as outer:
-        assert classify(outer) is ErrorClass.TRANSIENT
+        assert classify(seam(outer)) is Fault.TRANSIENT
 
 
 def test_classify_never_reads_messages() -> None:
     assert classify(ValueError("deadlock detected; serialization failure; 40001")) is (
-        ErrorClass.PERMANENT
+        Fault.MESSAGE
     )
 
 
-def test_should_retry_is_bounded_for_transient_and_unbounded_for_unavailable() -> None:
-    assert [should_retry(ErrorClass.TRANSIENT, n, 3) for n in (1, 2, 3, 4)] == [
+def test_should_retry_is_bounded_for_transient_and_unbounded_for_the_environment() -> None:
+    assert [should_retry(Fault.TRANSIENT, n, 3) for n in (1, 2, 3, 4)] == [
         True,
         True,
         False,
         False,
     ]
-    assert should_retry(ErrorClass.UNAVAILABLE, 10_000, 3)
-    assert not should_retry(ErrorClass.PERMANENT, 1, 5)
-    assert not should_retry(ErrorClass.DUPLICATE, 1, 5)
+    assert should_retry(Fault.ENVIRONMENT, 10_000, 3)
+    assert not should_retry(Fault.MESSAGE, 1, 5)
+    assert not should_retry(Fault.DUPLICATE, 1, 5)
 
 
 def test_inbox_state_transitions() -> None:
@@ -142,9 +148,9 @@ def test_inbox_state_transitions() -> None:
     }
     assert allowed == {
         (None, InboxStatus.DONE),
-        (None, InboxStatus.FAILED),
-        (InboxStatus.FAILED, InboxStatus.DONE),
-        (InboxStatus.FAILED, InboxStatus.FAILED),
+        (None, InboxStatus.DEAD_LETTERED),
+        (InboxStatus.DEAD_LETTERED, InboxStatus.DONE),
+        (InboxStatus.DEAD_LETTERED, InboxStatus.DEAD_LETTERED),
     }  # DONE is final
 
 
@@ -153,14 +159,14 @@ def test_store_sql_encodes_the_same_transitions() -> None:
 
     # The SQL embeds the status numbers: a claim takes over only a FAILED row, a failure
     # never overwrites a DONE one.
-    assert (int(InboxStatus.DONE), int(InboxStatus.FAILED)) == (1, 2)
+    assert (int(InboxStatus.DONE), int(InboxStatus.DEAD_LETTERED)) == (1, 2)
     for claim in (CLAIM, CLAIM_MANY):
         assert "WHERE t.status = 2" in claim
         assert "status = 1," in claim
     assert "WHERE t.status <> 1" in FAIL
-    assert check_transition(InboxStatus.FAILED, InboxStatus.DONE)
+    assert check_transition(InboxStatus.DEAD_LETTERED, InboxStatus.DONE)
     assert not check_transition(InboxStatus.DONE, InboxStatus.DONE)
-    assert not check_transition(InboxStatus.DONE, InboxStatus.FAILED)
+    assert not check_transition(InboxStatus.DONE, InboxStatus.DEAD_LETTERED)
 
 
 def test_config_defaults_and_validation() -> None:

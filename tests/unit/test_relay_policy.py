@@ -6,35 +6,16 @@ import pytest
 from aiokafka import errors as kerr
 
 import ledgerbox.relay.testing  # noqa: F401  (relay.testing below)
-from ledgerbox import relay
-from ledgerbox.outbox import ConfigurationError, LedgerboxError
-from ledgerbox.relay import RelayConfig, RelayError, StoreError
+from ledgerbox import ConfigurationError
+from ledgerbox._core.faults import Fault
+from ledgerbox.relay import PublishError, RelayConfig
 from ledgerbox.relay._policy import (
     LEADER_SHARD,
-    ErrorKind,
     LeaseBook,
-    classify_publish_error,
     fair_share,
-    held_after_reject,
+    held_behind_dead_letter,
+    publish_fault,
 )
-from ledgerbox.relay._store import is_transient_sqlstate
-
-
-def test_public_names_are_pinned() -> None:
-    assert relay.__all__ == [
-        "KafkaPublisher",
-        "OutboundRecord",
-        "Publisher",
-        "Relay",
-        "RelayConfig",
-        "RelayError",
-        "RelayTables",
-        "StoreError",
-    ]
-    assert relay.testing.__all__ == ["InMemoryPublisher"]
-    assert issubclass(RelayError, LedgerboxError)
-    assert issubclass(StoreError, RelayError)
-    assert RelayError.__module__ == "ledgerbox.relay"
 
 
 @pytest.mark.parametrize(
@@ -89,58 +70,57 @@ def test_lease_book_plan_acquires_below_share_and_drains_above() -> None:
     assert book.data_shards() == [0, 1, 2, 3]
 
 
+def as_published(exc: BaseException) -> BaseException:
+    """What the publisher seam hands the relay for a client error ``exc``."""
+    return PublishError.translate(exc, "send")
+
+
 @pytest.mark.parametrize(
     "exc",
     [
         kerr.MessageSizeTooLargeError(),
         kerr.RecordTooLargeError(),
-        kerr.InvalidTopicError(),
-        kerr.TopicAuthorizationFailedError(),
         kerr.RecordListTooLargeError(),
+        kerr.CorruptRecordException(),
     ],
 )
-def test_permanent_rejects(exc: BaseException) -> None:
-    assert classify_publish_error(exc) is ErrorKind.PERMANENT
+def test_record_faults_dead_letter(exc: BaseException) -> None:
+    assert publish_fault(as_published(exc)) is Fault.MESSAGE
 
 
 @pytest.mark.parametrize(
     "exc",
     [
+        kerr.TopicAuthorizationFailedError(),
+        kerr.InvalidTopicError(),
+        kerr.UnknownTopicOrPartitionError(),
         kerr.KafkaConnectionError(),
+        kerr.SaslAuthenticationFailed(),
+    ],
+)
+def test_environment_faults_never_dead_letter(exc: BaseException) -> None:
+    assert publish_fault(as_published(exc)) is Fault.ENVIRONMENT
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
         kerr.RequestTimedOutError(),
         kerr.NotLeaderForPartitionError(),
         kerr.KafkaTimeoutError(),
         kerr.NotEnoughReplicasError(),
-        kerr.UnknownTopicOrPartitionError(),
         RuntimeError("anything unknown"),
     ],
 )
 def test_everything_else_is_transient(exc: BaseException) -> None:
-    assert classify_publish_error(exc) is ErrorKind.TRANSIENT
+    assert publish_fault(as_published(exc)) is Fault.TRANSIENT
+    assert publish_fault(exc) is Fault.TRANSIENT, "an untranslated error is never the record's"
 
 
 def test_on_dead_hold_keeps_later_events_of_the_key() -> None:
-    assert held_after_reject("hold", "k1", {"k1"})
-    assert not held_after_reject("hold", "k2", {"k1"})
-    assert not held_after_reject("skip", "k1", {"k1"})
-
-
-@pytest.mark.parametrize(
-    ("sqlstate", "transient"),
-    [
-        (None, True),
-        ("08006", True),
-        ("57P01", True),
-        ("40001", True),
-        ("40P01", True),
-        ("53300", True),
-        ("42P01", False),
-        ("42501", False),
-        ("23505", False),
-    ],
-)
-def test_sqlstate_classification(sqlstate: str | None, transient: bool) -> None:
-    assert is_transient_sqlstate(sqlstate) is transient
+    assert held_behind_dead_letter("hold", "k1", {"k1"})
+    assert not held_behind_dead_letter("hold", "k2", {"k1"})
+    assert not held_behind_dead_letter("skip", "k1", {"k1"})
 
 
 def test_config_defaults_and_url_conversion() -> None:
@@ -149,7 +129,7 @@ def test_config_defaults_and_url_conversion() -> None:
     )
     assert cfg.batch_size == 1000
     assert cfg.lanes == 8
-    assert cfg.on_dead == "hold"
+    assert cfg.on_dead_letter == "hold"
     assert cfg.compression == "lz4"
     assert cfg.retention_s == 7 * 86400
     assert cfg.libpq_url == "postgresql://u:p@h:5/db"
@@ -167,7 +147,7 @@ def test_config_defaults_and_url_conversion() -> None:
         {"batch_size": 0},
         {"poll_interval_s": 0},
         {"heartbeat_interval_s": 3.0},
-        {"on_dead": "drop"},
+        {"on_dead_letter": "drop"},
         {"compression": "brotli"},
         {"outbox_table": "Outbox; DROP"},
         {"schema": "a-b"},
@@ -190,12 +170,14 @@ async def test_in_memory_publisher_injects_faults() -> None:
     rec = OutboundRecord(topic="t", key=b"k", value=b"{}", timestamp_ms=1, headers=[])
     pub.fail_next_sends(1, kerr.KafkaTimeoutError())
     (first, second) = await pub.send_many([rec, rec])
-    with pytest.raises(kerr.KafkaTimeoutError):
+    with pytest.raises(PublishError) as failed:
         await first
+    assert failed.value.kind == "KafkaTimeoutError" and failed.value.fault is Fault.TRANSIENT
     await second
     big = OutboundRecord(topic="t", key=b"big", value=b"{}", timestamp_ms=1, headers=[])
     pub.reject_on_send(lambda r: r.key == b"big", kerr.MessageSizeTooLargeError())
-    assert isinstance(pub.precheck(big), kerr.MessageSizeTooLargeError)
+    refused = pub.precheck(big)
+    assert refused is not None and refused.fault is Fault.MESSAGE
     assert pub.precheck(rec) is None
     assert pub.records == [rec]
 
@@ -207,7 +189,8 @@ def test_kafka_publisher_precheck_refuses_records_above_max_request_size() -> No
     small = OutboundRecord(topic="t", key=b"k", value=b"{}", timestamp_ms=1, headers=[])
     huge = OutboundRecord(topic="t", key=b"k", value=b"x" * 1_100_000, timestamp_ms=1, headers=[])
     assert pub.precheck(small) is None
-    assert isinstance(pub.precheck(huge), kerr.MessageSizeTooLargeError)
+    refused = pub.precheck(huge)
+    assert refused is not None and refused.fault is Fault.MESSAGE
 
 
 def test_lane_count_has_hysteresis_so_a_steady_load_does_not_flip_it() -> None:

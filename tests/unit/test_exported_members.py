@@ -1,0 +1,133 @@
+"""Every public name of ledgerbox, pinned in one place (httpx ``tests/test_exported_members.py``).
+
+A change to a public ``__all__`` is an API change: it must change this file too. Each name
+must resolve, and each exported exception and class must report the public path it is
+exported from (``__module__``), so tracebacks and ``repr`` show what users import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+PUBLIC: dict[str, list[str]] = {
+    "ledgerbox": [
+        "BrokerError",
+        "ConfigurationError",
+        "DatabaseError",
+        "LedgerboxError",
+        "__version__",
+    ],
+    "ledgerbox.outbox": [
+        "DEFAULT_MAX_PAYLOAD_BYTES",
+        "DEFAULT_SHARD_COUNT",
+        "EnvelopeParseError",
+        "EventEnvelope",
+        "EventStatus",
+        "EventValidationError",
+        "NaiveDatetimeError",
+        "OutboxTable",
+        "OutboxWriter",
+        "PayloadTooLargeError",
+        "Staged",
+        "TopicRouter",
+        "UnroutedEventError",
+        "envelope_from_kafka",
+        "envelope_from_row",
+        "idempotency_key",
+        "kafka_headers",
+        "shard_of",
+        "timestamp_ms",
+    ],
+    "ledgerbox.relay": [
+        "KafkaPublisher",
+        "OutboundRecord",
+        "PublishError",
+        "Publisher",
+        "Relay",
+        "RelayConfig",
+        "RelayError",
+        "RelayTables",
+        "StoreError",
+    ],
+    "ledgerbox.relay.testing": ["InMemoryPublisher"],
+    "ledgerbox.inbox": [
+        "AggregateLock",
+        "ConsumerConfig",
+        "DedupStore",
+        "FencedWriteError",
+        "HandlerContext",
+        "InboxConsumer",
+        "InboxError",
+        "InboxStatus",
+        "InboxTable",
+        "LockBusyError",
+        "Outcome",
+        "RedisAggregateLock",
+        "RedisDedupStore",
+        "RedisUnavailableError",
+        "VersionConflictError",
+        "afenced_update",
+        "aupdate_versioned",
+        "fenced_update",
+        "update_versioned",
+    ],
+    "ledgerbox.inbox.testing": [
+        "FakeRecord",
+        "InMemoryAggregateLock",
+        "InMemoryDeadLetterPublisher",
+        "InMemoryDedupStore",
+        "ManualClock",
+        "kafka_parts",
+        "record_for",
+    ],
+    "ledgerbox.migrations": [
+        "VERSION_TABLE",
+        "Names",
+        "alembic_config",
+        "target_metadata",
+        "upgrade_database",
+    ],
+    "ledgerbox.migrations.ops": [
+        "create_inbox_v1",
+        "create_outbox_v1",
+        "create_relay_v1",
+        "drop_inbox_v1",
+        "drop_outbox_v1",
+        "drop_relay_v1",
+    ],
+}
+
+
+@pytest.mark.parametrize("module_name", sorted(PUBLIC))
+def test_public_names_are_pinned(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    assert sorted(module.__all__) == sorted(PUBLIC[module_name])
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name
+
+
+@pytest.mark.parametrize("module_name", sorted(PUBLIC))
+def test_exceptions_report_their_public_import_path(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    for name in module.__all__:
+        value = getattr(module, name)
+        if inspect.isclass(value) and issubclass(value, BaseException):
+            home = importlib.import_module(value.__module__)
+            assert name in getattr(home, "__all__", ()), (
+                f"{module_name}.{name} reports __module__ {value.__module__!r}, "
+                "which does not export it"
+            )
+
+
+def test_every_error_has_the_one_root() -> None:
+    from ledgerbox import LedgerboxError
+
+    for module_name in PUBLIC:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            value = getattr(module, name)
+            if inspect.isclass(value) and issubclass(value, Exception):
+                assert issubclass(value, LedgerboxError), f"{module_name}.{name}"
