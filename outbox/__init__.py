@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from ledgerbox.outbox._errors import (
         EnvelopeParseError,
         EventValidationError,
+        FutureEventTimeError,
         NaiveDatetimeError,
+        NonFiniteNumberError,
         PayloadTooLargeError,
         UnroutedEventError,
     )
@@ -45,13 +47,16 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "DEFAULT_MAX_FUTURE_S",
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DEFAULT_SHARD_COUNT",
     "EnvelopeParseError",
     "EventEnvelope",
     "EventStatus",
     "EventValidationError",
+    "FutureEventTimeError",
     "NaiveDatetimeError",
+    "NonFiniteNumberError",
     "OutboxTable",
     "OutboxWriter",
     "PayloadTooLargeError",
@@ -71,13 +76,16 @@ if not TYPE_CHECKING:  # type checkers see the imports above, so typos stay erro
         __name__,
         globals(),
         {
+            "DEFAULT_MAX_FUTURE_S": "ledgerbox.outbox._writer",
             "DEFAULT_MAX_PAYLOAD_BYTES": "ledgerbox.outbox._writer",
             "DEFAULT_SHARD_COUNT": "ledgerbox._core.names",
             "EnvelopeParseError": "ledgerbox.outbox._errors",
             "EventEnvelope": "ledgerbox.outbox._envelope",
             "EventStatus": "ledgerbox.outbox._table",
             "EventValidationError": "ledgerbox.outbox._errors",
+            "FutureEventTimeError": "ledgerbox.outbox._errors",
             "NaiveDatetimeError": "ledgerbox.outbox._errors",
+            "NonFiniteNumberError": "ledgerbox.outbox._errors",
             "OutboxTable": "ledgerbox.outbox._table",
             "OutboxWriter": "ledgerbox.outbox._writer",
             "PayloadTooLargeError": "ledgerbox.outbox._errors",

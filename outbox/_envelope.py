@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import math
 import uuid
 from collections.abc import Mapping
 from decimal import Decimal
@@ -19,7 +20,11 @@ from typing import Any, TypeVar
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import to_jsonable_python
 
-from ledgerbox.outbox._errors import EventValidationError, NaiveDatetimeError
+from ledgerbox.outbox._errors import (
+    EventValidationError,
+    NaiveDatetimeError,
+    NonFiniteNumberError,
+)
 
 __all__ = ["EventEnvelope", "dumps_payload", "idempotency_key", "to_json_payload"]
 
@@ -121,19 +126,28 @@ def idempotency_key(*parts: str | int | uuid.UUID | Decimal) -> str:
     return f"{texts[0].split(':', 1)[1]}:{uuid.uuid5(_KEY_NAMESPACE, digest)}"
 
 
-def _check_aware(value: Any, path: str) -> None:
-    if isinstance(value, dt.datetime):
+def _check_values(value: Any, path: str) -> None:
+    """Raise for values JSON (and PostgreSQL's ``jsonb``) cannot carry exactly: naive
+    datetimes (their instant is unknown) and NaN / +-Infinity (no JSON form: pydantic would
+    silently write ``null`` for a model field, PostgreSQL refuses the token at flush)."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise NonFiniteNumberError(path, value)
+    elif isinstance(value, Decimal):
+        if not value.is_finite():
+            raise NonFiniteNumberError(path, value)
+    elif isinstance(value, dt.datetime):
         if value.tzinfo is None or value.tzinfo.utcoffset(value) is None:
             raise NaiveDatetimeError(path)
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            _check_aware(item, f"{path}.{key}")
+            _check_values(item, f"{path}.{key}")
     elif isinstance(value, list | tuple):
         for index, item in enumerate(value):
-            _check_aware(item, f"{path}[{index}]")
+            _check_values(item, f"{path}[{index}]")
     elif isinstance(value, BaseModel):
         for name in type(value).model_fields:
-            _check_aware(getattr(value, name), f"{path}.{name}")
+            _check_values(getattr(value, name), f"{path}.{name}")
 
 
 def to_json_payload(payload: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
@@ -143,10 +157,12 @@ def to_json_payload(payload: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
     ------
     NaiveDatetimeError
         If any datetime in the payload has no timezone.
+    NonFiniteNumberError
+        If any number in the payload is NaN or +-Infinity (``path`` says where).
     EventValidationError
         If the payload is not a model or mapping, or holds a value JSON cannot carry.
     """
-    _check_aware(payload, "payload")
+    _check_values(payload, "payload")
     if isinstance(payload, BaseModel):
         result = payload.model_dump(mode="json")
     elif isinstance(payload, Mapping):

@@ -7,7 +7,9 @@ from ledgerbox._core.errors import LedgerboxError
 __all__ = [
     "EnvelopeParseError",
     "EventValidationError",
+    "FutureEventTimeError",
     "NaiveDatetimeError",
+    "NonFiniteNumberError",
     "PayloadTooLargeError",
     "UnroutedEventError",
 ]
@@ -32,6 +34,50 @@ class NaiveDatetimeError(EventValidationError):
 
     def __init__(self, path: str) -> None:
         super().__init__(f"naive datetime at {path!r}: only timezone-aware datetimes are allowed")
+        self.path = path
+
+
+class FutureEventTimeError(EventValidationError):
+    """The event time is further in the future than the writer accepts (``max_future_s``):
+    Kafka would refuse the record's timestamp after the transaction committed.
+
+    Attributes
+    ----------
+    occurred_at : datetime
+        The refused event time.
+    max_future_s : float
+        The writer's limit, in seconds after its clock.
+    """
+
+    __module__ = "ledgerbox.outbox"
+
+    def __init__(self, occurred_at: object, max_future_s: float) -> None:
+        super().__init__(
+            f"occurred_at {occurred_at} is more than {max_future_s:g} s in the future: "
+            "pass the real event time, or build the OutboxWriter with a larger max_future_s"
+        )
+        self.occurred_at = occurred_at
+        self.max_future_s = max_future_s
+
+
+class NonFiniteNumberError(EventValidationError):
+    """A NaN or +-Infinity was found in the payload: JSON has no such numbers (PostgreSQL's
+    ``jsonb`` refuses them, pydantic would write ``null``), so the event is refused at write
+    time instead of failing at flush.
+
+    Attributes
+    ----------
+    path : str
+        Where the value was found, e.g. ``"payload.items[2].price"``.
+    """
+
+    __module__ = "ledgerbox.outbox"
+
+    def __init__(self, path: str, value: object) -> None:
+        super().__init__(
+            f"{value!r} at {path!r}: JSON has no NaN or Infinity; send a finite number, "
+            "a string, or null"
+        )
         self.path = path
 
 

@@ -71,9 +71,19 @@ def kafka_headers(
     return headers
 
 
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_ONE_MS = dt.timedelta(milliseconds=1)
+
+
 def timestamp_ms(occurred_at: dt.datetime) -> int:
-    """Kafka record timestamp: milliseconds since the Unix epoch."""
-    return int(occurred_at.timestamp() * 1000)
+    """Kafka record timestamp of an aware event time: whole milliseconds since the Unix epoch,
+    rounded toward the past (sub-millisecond digits dropped).
+
+    Integer arithmetic on the ``timedelta``, exact over the whole ``datetime`` range; a float
+    multiply (``timestamp() * 1000``) is 1 ms early for exact-millisecond times outside
+    roughly 2004-2038. The relay computes the same value in SQL.
+    """
+    return (occurred_at - _EPOCH) // _ONE_MS
 
 
 def envelope_from_kafka(

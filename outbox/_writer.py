@@ -24,6 +24,7 @@ from ledgerbox._core.faults import Fault, driver_fault
 from ledgerbox.outbox._envelope import EventEnvelope, dumps_payload, to_json_payload
 from ledgerbox.outbox._errors import (
     EventValidationError,
+    FutureEventTimeError,
     NaiveDatetimeError,
     PayloadTooLargeError,
 )
@@ -31,11 +32,21 @@ from ledgerbox.outbox._routing import TopicRouter
 from ledgerbox.outbox._table import OutboxTable, shard_of
 from ledgerbox.outbox._trace import current_trace_headers
 
-__all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "OutboxWriter", "Staged", "envelope_from_row"]
+__all__ = [
+    "DEFAULT_MAX_FUTURE_S",
+    "DEFAULT_MAX_PAYLOAD_BYTES",
+    "OutboxWriter",
+    "Staged",
+    "envelope_from_row",
+]
 
 #: Kafka's default ``max.message.bytes`` (1 MiB): a larger payload would be refused by the
 #: broker long after the business transaction committed, so it is refused at write time.
 DEFAULT_MAX_PAYLOAD_BYTES = 1_048_576
+
+#: Default ``max_future_s``: 50 minutes, under Kafka's default one-hour limit on future
+#: record timestamps (``log.message.timestamp.after.max.ms``, Kafka 4.0, KIP-937).
+DEFAULT_MAX_FUTURE_S = 3000.0
 
 _EVENT_ID_NAMESPACE = uuid.UUID("0b7c6d49-4b0e-4c6a-8f3e-9d2a41c7e0a5")
 
@@ -72,11 +83,21 @@ class OutboxWriter:
         The outbox table (default: ``OutboxTable()``, i.e. ``outbox`` on the search path).
     max_payload_bytes : int
         Largest serialized payload accepted, in bytes (default 1 MiB).
+    max_future_s : float | None
+        Latest event time accepted, in seconds after the writer's clock (default 3000 s =
+        50 min). Kafka refuses a record timestamp more than
+        ``log.message.timestamp.after.max.ms`` ahead of the broker's clock (1 h by default
+        since Kafka 4.0), so an event dated further ahead is refused here, when the caller
+        can still act, rather than after its transaction committed. The margin under one
+        hour covers clock skew. ``None`` disables the check (the relay then publishes a
+        refused timestamp as its send time and keeps the event time in ``ce_time``; see
+        docs/outbox.md, "Event time").
 
     Raises
     ------
     ConfigurationError
-        If ``max_payload_bytes`` is not positive or ``source`` is empty.
+        If ``max_payload_bytes`` is not positive, ``max_future_s`` is negative or ``source``
+        is empty.
     """
 
     def __init__(
@@ -86,9 +107,13 @@ class OutboxWriter:
         source: str,
         table: OutboxTable | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        max_future_s: float | None = DEFAULT_MAX_FUTURE_S,
     ) -> None:
         if max_payload_bytes <= 0:
             raise ConfigurationError(f"max_payload_bytes must be > 0, got {max_payload_bytes}")
+        if max_future_s is not None and not max_future_s >= 0:
+            raise ConfigurationError(f"max_future_s must be >= 0 or None, got {max_future_s}")
+        self.max_future_s = max_future_s
         if not source:
             raise ConfigurationError("source must not be empty")
         self.router = router
@@ -128,7 +153,8 @@ class OutboxWriter:
         partition_key : str | None
             Kafka key; defaults to ``aggregate_id`` so one aggregate keeps its order.
         occurred_at : datetime | None
-            Timezone-aware event time; defaults to now (UTC).
+            Timezone-aware event time; defaults to now (UTC). At most ``max_future_s``
+            after now.
         event_id : uuid.UUID | None
             Defaults to a UUIDv5 of the idempotency key, so a retried request that somehow
             reached a second write carries the same event id and consumers drop it.
@@ -141,6 +167,10 @@ class OutboxWriter:
         ------
         NaiveDatetimeError
             ``occurred_at`` or a datetime in the payload has no timezone.
+        FutureEventTimeError
+            ``occurred_at`` is more than ``max_future_s`` after now.
+        NonFiniteNumberError
+            A number in the payload is NaN or +-Infinity.
         UnroutedEventError
             No route for ``event_type`` / ``aggregate_type`` and no ``topic`` given.
         EventValidationError
@@ -150,6 +180,13 @@ class OutboxWriter:
             occurred_at.tzinfo is None or occurred_at.tzinfo.utcoffset(occurred_at) is None
         ):
             raise NaiveDatetimeError("occurred_at")
+        now = dt.datetime.now(dt.UTC)
+        if (
+            occurred_at is not None
+            and self.max_future_s is not None
+            and (occurred_at - now).total_seconds() > self.max_future_s
+        ):
+            raise FutureEventTimeError(occurred_at, self.max_future_s)
         json_payload = to_json_payload(payload)
         all_headers = {**current_trace_headers(), **(headers or {})}
         try:
@@ -163,7 +200,7 @@ class OutboxWriter:
                 aggregate_type=aggregate_type,
                 aggregate_id=str(aggregate_id),
                 aggregate_version=aggregate_version,
-                occurred_at=occurred_at or dt.datetime.now(dt.UTC),
+                occurred_at=occurred_at or now,
                 payload=json_payload,
                 headers=all_headers,
             )

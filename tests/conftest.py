@@ -8,6 +8,7 @@ Fixtures (scope):
   database_server_url (session)  SQLAlchemy URL of the server's maintenance database
   template_database (session)    name of a database migrated to head, cloned per module
   database_url (module)          SQLAlchemy URL of a fresh database cloned from the template
+  empty_database_url (function)  SQLAlchemy URL of a fresh database with NO tables (unmigrated)
   engine (module)                sync Engine on database_url
   async_engine (function)        AsyncEngine (psycopg async) on database_url
   kafka_bootstrap (session)      "host:port[,host:port]"
@@ -53,6 +54,7 @@ SERVICE_FIXTURES = frozenset(
         "database_server_url",
         "template_database",
         "database_url",
+        "empty_database_url",
         "engine",
         "async_engine",
         "kafka_bootstrap",
@@ -190,6 +192,17 @@ def database_url(database_server_url: str, template_database: str) -> Iterator[s
     server = make_url(database_server_url)
     name = _services.unique_db_name("ledgerbox_t_")
     url = _services.create_database(server, name, template=template_database)
+    try:
+        yield _services.url_str(url)
+    finally:
+        _services.drop_database(server, name)
+
+
+@pytest.fixture
+def empty_database_url(database_server_url: str) -> Iterator[str]:
+    server = make_url(database_server_url)
+    name = _services.unique_db_name("ledgerbox_e_")
+    url = _services.create_database(server, name)
     try:
         yield _services.url_str(url)
     finally:

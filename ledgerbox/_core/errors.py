@@ -8,7 +8,9 @@
     ├── ledgerbox.BrokerError               a Kafka call failed (fault, kind)
     ├── ledgerbox.outbox
     │   ├── EventValidationError            an event cannot be written (also ValueError)
+    │   │   ├── FutureEventTimeError        occurred_at beyond ``max_future_s`` (Kafka refuses it)
     │   │   ├── NaiveDatetimeError          a datetime without tzinfo in envelope or payload
+    │   │   ├── NonFiniteNumberError        NaN or Infinity in the payload (JSON has neither)
     │   │   ├── PayloadTooLargeError        serialized payload above ``max_payload_bytes``
     │   │   └── UnroutedEventError          no topic route for the event/aggregate type
     │   └── EnvelopeParseError              a Kafka record is not a ledgerbox event

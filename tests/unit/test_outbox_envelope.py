@@ -15,10 +15,13 @@ from sqlalchemy.orm import Session
 
 from ledgerbox import ConfigurationError, LedgerboxError
 from ledgerbox.outbox import (
+    DEFAULT_MAX_FUTURE_S,
     EnvelopeParseError,
     EventEnvelope,
     EventValidationError,
+    FutureEventTimeError,
     NaiveDatetimeError,
+    NonFiniteNumberError,
     OutboxTable,
     OutboxWriter,
     PayloadTooLargeError,
@@ -27,6 +30,7 @@ from ledgerbox.outbox import (
     envelope_from_kafka,
     idempotency_key,
     kafka_headers,
+    timestamp_ms,
 )
 
 
@@ -237,3 +241,117 @@ def test_envelope_round_trips_through_json_and_kafka_form(
     value = json.dumps(payload).encode()
     parsed = envelope_from_kafka("orders.events", aggregate_id.encode(), value, headers)
     assert parsed == envelope
+
+
+@pytest.mark.parametrize(
+    ("payload", "path"),
+    [
+        ({"amount": float("nan")}, "payload.amount"),
+        ({"lines": [{"price": float("inf")}]}, "payload.lines[0].price"),
+        ({"lines": [1.0, -float("inf")]}, "payload.lines[1]"),
+        ({"total": Decimal("NaN")}, "payload.total"),
+        ({"total": Decimal("-Infinity")}, "payload.total"),
+    ],
+)
+def test_failsafe_07_nan_and_infinity_are_refused_at_write_with_their_json_path(
+    payload: dict[str, object], path: str
+) -> None:
+    """Issue 12 line 7: NaN / Infinity used to pass ``writer.event()`` and fail later, at
+    flush (PostgreSQL's jsonb has no such token), or turn into ``null`` inside a model."""
+    with pytest.raises(NonFiniteNumberError) as info:
+        _writer().event(
+            event_type="E", aggregate_type="a", aggregate_id=1, payload=payload,
+            idempotency_key="k",
+        )  # fmt: skip
+    assert info.value.path == path
+    assert "\n" not in str(info.value) and path in str(info.value)
+
+
+def test_failsafe_07_nan_inside_a_pydantic_model_is_refused_not_written_as_null() -> None:
+    class Line(BaseModel):
+        price: float
+
+    class Order(BaseModel):
+        lines: list[Line]
+
+    with pytest.raises(NonFiniteNumberError) as info:
+        _writer().event(
+            event_type="E", aggregate_type="a", aggregate_id=1,
+            payload=Order(lines=[Line(price=1.5), Line(price=float("nan"))]),
+            idempotency_key="k",
+        )  # fmt: skip
+    assert info.value.path == "payload.lines[1].price"
+    finite = _writer().event(
+        event_type="E", aggregate_type="a", aggregate_id=1,
+        payload=Order(lines=[Line(price=1.5)]), idempotency_key="k",
+    )  # fmt: skip
+    assert finite.payload == {"lines": [{"price": 1.5}]}
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+@given(
+    st.datetimes(
+        min_value=dt.datetime(1, 1, 1, 0, 0), max_value=dt.datetime(9999, 12, 31, 23, 59, 59)
+    ),
+    st.sampled_from([dt.UTC, dt.timezone(dt.timedelta(hours=5, minutes=30)), dt.timezone.min]),
+    st.booleans(),
+)
+def test_failsafe_11_record_timestamp_is_exact_over_the_whole_datetime_range(
+    naive: dt.datetime, tz: dt.tzinfo, whole_ms: bool
+) -> None:
+    """Issue 12 line 11: ``int(ts.timestamp() * 1000)`` published exact-millisecond times 1 ms
+    early outside roughly 2004-2038. The record timestamp is the event time in whole ms,
+    rounded toward the past, computed with integers."""
+    if whole_ms:
+        naive = naive.replace(microsecond=naive.microsecond // 1000 * 1000)
+    try:
+        moment = naive.replace(tzinfo=tz)
+        moment.astimezone(dt.UTC)
+    except OverflowError:
+        return  # not representable in UTC at the ends of the range
+    micros = (moment - _EPOCH) // dt.timedelta(microseconds=1)
+    expected = micros // 1000  # floor: toward the past, also before 1970
+    assert timestamp_ms(moment) == expected
+    if whole_ms:
+        assert timestamp_ms(moment) * 1000 == micros
+
+
+def test_failsafe_11_exact_milliseconds_known_to_break_the_float_form() -> None:
+    # Each of these came out 1 ms early with int(ts.timestamp() * 1000).
+    for moment in (
+        dt.datetime(1987, 5, 10, 10, 40, 21, 915000, tzinfo=dt.UTC),
+        dt.datetime(2039, 1, 12, 23, 59, 4, 595000, tzinfo=dt.UTC),
+        dt.datetime(2039, 6, 1, 12, 0, 0, 3000, tzinfo=dt.UTC),
+        dt.datetime(1952, 9, 30, 2, 38, 27, 386000, tzinfo=dt.UTC),
+    ):
+        assert timestamp_ms(moment) == (moment - _EPOCH) // dt.timedelta(milliseconds=1)
+        assert dt.datetime.fromtimestamp(timestamp_ms(moment) / 1000, dt.UTC) == moment
+
+
+def test_failsafe_12_an_event_time_beyond_kafkas_future_limit_is_refused_at_write() -> None:
+    """Issue 12 line 12: a record Kafka refuses for its timestamp (1 h ahead by default)
+    must never be a committed event that cannot be published. The writer refuses an event
+    time beyond ``max_future_s`` (default 50 min) with a typed error, before the commit."""
+    now = dt.datetime.now(dt.UTC)
+    writer = _writer()
+    assert writer.max_future_s == DEFAULT_MAX_FUTURE_S == 3000.0
+    with pytest.raises(FutureEventTimeError) as info:
+        writer.event(
+            event_type="E", aggregate_type="a", aggregate_id=1, payload={},
+            idempotency_key="k", occurred_at=now + dt.timedelta(hours=2),
+        )  # fmt: skip
+    assert info.value.max_future_s == 3000.0 and "max_future_s" in str(info.value)
+    soon = writer.event(
+        event_type="E", aggregate_type="a", aggregate_id=1, payload={},
+        idempotency_key="k", occurred_at=now + dt.timedelta(minutes=10),
+    )  # fmt: skip
+    assert soon.occurred_at == now + dt.timedelta(minutes=10)
+    unbounded = _writer(max_future_s=None).event(
+        event_type="E", aggregate_type="a", aggregate_id=1, payload={},
+        idempotency_key="k", occurred_at=dt.datetime(2100, 1, 1, tzinfo=dt.UTC),
+    )  # fmt: skip
+    assert unbounded.occurred_at.year == 2100
+    with pytest.raises(ConfigurationError):
+        _writer(max_future_s=-1.0)
