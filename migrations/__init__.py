@@ -1,8 +1,16 @@
 """Alembic migrations of the ledgerbox tables (outbox, inbox, relay leases).
 
-Stand-alone: ``ledgerbox migrate`` or :func:`upgrade_database`. The version table is
-``ledgerbox_alembic_version`` so it never collides with your own Alembic history. From your own
-Alembic environment, call the helpers in :mod:`migrations.ops` inside your revisions instead.
+Two ways to own them (docs/migrations.md):
+
+* stand-alone: ``ledgerbox migrate`` or :func:`upgrade_database`, with the version table
+  ``ledgerbox_alembic_version`` so it never collides with your own Alembic history;
+* embedded: your own Alembic environment calls the frozen, versioned functions of
+  :mod:`ledgerbox.migrations.ops` from your revisions (one function per ledgerbox schema
+  revision), and :func:`include_tables` puts the models on your metadata so autogenerate
+  neither misses them nor proposes to drop them.
+
+Mixing the two on one database is refused with a message that says what to do
+(:class:`MigrationError`), never with a half-applied DDL statement.
 """
 
 from __future__ import annotations
@@ -14,12 +22,22 @@ if __name__ != "ledgerbox.migrations":  # the repository folder is importable fr
 
 from pathlib import Path
 
+import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 
-from ledgerbox.migrations._names import Names, target_metadata
+from ledgerbox._core.errors import LedgerboxError
+from ledgerbox.migrations._names import Names, include_tables, target_metadata
 
-__all__ = ["VERSION_TABLE", "Names", "alembic_config", "target_metadata", "upgrade_database"]
+__all__ = [
+    "VERSION_TABLE",
+    "MigrationError",
+    "Names",
+    "alembic_config",
+    "include_tables",
+    "target_metadata",
+    "upgrade_database",
+]
 
 VERSION_TABLE = "ledgerbox_alembic_version"
 _HERE = Path(__file__).resolve().parent
@@ -34,9 +52,44 @@ def alembic_config(url: str, names: Names | None = None) -> Config:
     return config
 
 
+class MigrationError(LedgerboxError):
+    """The ledgerbox tables cannot be migrated stand-alone as asked; the message says why
+    and what to do (e.g. they were created by your own Alembic environment)."""
+
+    __module__ = "ledgerbox.migrations"
+
+
 def upgrade_database(url: str, names: Names | None = None, revision: str = "head") -> None:
     """Migrate the database at ``url`` (a SQLAlchemy URL) to ``revision``.
 
     Idempotent: already-applied revisions are skipped. Runs in one transaction per revision.
+
+    Raises
+    ------
+    MigrationError
+        Some ledgerbox tables exist but ``ledgerbox_alembic_version`` does not: they belong
+        to your own Alembic environment (docs/migrations.md, "Embedded").
     """
+    names = names or Names()
+    _refuse_foreign_tables(url, names)
     command.upgrade(alembic_config(url, names), revision)
+
+
+def _refuse_foreign_tables(url: str, names: Names) -> None:
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            found = set(sa.inspect(conn).get_table_names(schema=names.schema))
+    except sa.exc.OperationalError:
+        return  # unreachable database: let Alembic report it the usual way
+    finally:
+        engine.dispose()
+    ours = [t.name for t in target_metadata(names).sorted_tables if t.name in found]
+    if ours and VERSION_TABLE not in found:
+        where = f"schema {names.schema}" if names.schema else "the search path"
+        raise MigrationError(
+            f"tables {', '.join(sorted(ours))} already exist in {where} but "
+            f"{VERSION_TABLE} does not: your own Alembic environment created them with "
+            "ledgerbox.migrations.ops; keep upgrading them there with the ops of each new "
+            "ledgerbox schema revision (docs/migrations.md, 'Embedded')"
+        )

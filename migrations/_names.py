@@ -12,7 +12,7 @@ from ledgerbox.inbox._table import InboxTable
 from ledgerbox.outbox._table import OutboxTable
 from ledgerbox.relay._table import RelayTables
 
-__all__ = ["Names", "target_metadata"]
+__all__ = ["Names", "include_tables", "target_metadata"]
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,24 @@ class Names:
         )
 
 
+def include_tables(
+    metadata: sa.MetaData, names: Names | None = None
+) -> tuple[OutboxTable, InboxTable, RelayTables]:
+    """Add every ledgerbox table (outbox, inbox, the relay's lease and member tables) to
+    your own ``metadata``, e.g. ``Base.metadata`` in your Alembic ``env.py``, so that
+    autogenerate sees them: with only ``OutboxTable(metadata=...)`` it proposes to DROP the
+    inbox and relay tables. Returns the three table objects (use the first as the writer's
+    ``table=``)."""
+    names = names or Names()
+    return (
+        OutboxTable(names.outbox_table, schema=names.schema, metadata=metadata),
+        InboxTable(names.inbox_table, schema=names.schema, metadata=metadata),
+        RelayTables(names.outbox_table, schema=names.schema, metadata=metadata),
+    )
+
+
 def target_metadata(names: Names) -> sa.MetaData:
     """Model metadata of every ledgerbox table under ``names`` (for autogenerate checks)."""
     metadata = sa.MetaData()
-    OutboxTable(names.outbox_table, schema=names.schema, metadata=metadata)
-    InboxTable(names.inbox_table, schema=names.schema, metadata=metadata)
-    RelayTables(names.outbox_table, schema=names.schema, metadata=metadata)
+    include_tables(metadata, names)
     return metadata

@@ -18,6 +18,8 @@
     │   └── RelayError                      the relay could not do something
     │       ├── StoreError                  (also DatabaseError)
     │       └── PublishError                (also BrokerError)
+    ├── ledgerbox.migrations
+    │   └── MigrationError                  the tables cannot be migrated as asked (says why)
     └── ledgerbox.inbox
         └── InboxError                      any inbox failure
             ├── VersionConflictError        optimistic version check matched no row (G5)

@@ -163,3 +163,56 @@ def test_a_users_alembic_revisions_import_ledgerbox_ops_beside_their_own_migrati
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert {"orders", "outbox", "inbox", "outbox_relay_lease"} <= _tables(empty_database_url)
+
+
+def test_failsafe_08_migrate_on_tables_of_an_embedding_env_says_what_to_do(
+    tmp_path: Path, empty_database_url: str
+) -> None:
+    """Issue 12 line 8: ``ledgerbox migrate`` on a database the user's own Alembic env had
+    migrated failed with "relation outbox already exists" and a 29-line statement."""
+    project = _user_project(tmp_path, empty_database_url)
+    alembic = Path(sys.executable).with_name("alembic")
+    subprocess.run([str(alembic), "upgrade", "head"], cwd=project, check=True, capture_output=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "ledgerbox", "migrate", "--database-url", empty_database_url],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "your own Alembic environment" in lines[0] and "docs/migrations.md" in lines[0]
+    assert "Traceback" not in result.stderr and "CREATE TABLE" not in result.stderr
+
+
+def test_failsafe_08_include_tables_keeps_autogenerate_from_dropping_ledgerbox_tables(
+    tmp_path: Path, empty_database_url: str
+) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from ledgerbox.migrations import include_tables
+    from ledgerbox.outbox import OutboxTable
+
+    project = _user_project(tmp_path, empty_database_url)
+    alembic = Path(sys.executable).with_name("alembic")
+    subprocess.run([str(alembic), "upgrade", "head"], cwd=project, check=True, capture_output=True)
+
+    def proposed(metadata: sa.MetaData) -> list[str]:
+        engine = sa.create_engine(empty_database_url, poolclass=sa.pool.NullPool)
+        try:
+            with engine.connect() as conn:
+                context = MigrationContext.configure(conn)
+                diff = compare_metadata(context, metadata)
+        finally:
+            engine.dispose()
+        return sorted(
+            str(d[1].name) for d in diff if isinstance(d, tuple) and d[0] == "remove_table"
+        )
+
+    only_outbox = sa.MetaData()
+    OutboxTable(metadata=only_outbox)
+    assert "inbox" in proposed(only_outbox), "the trap this helper exists for"
+    full = sa.MetaData()
+    sa.Table("orders", full, sa.Column("id", sa.BigInteger, primary_key=True))
+    include_tables(full)
+    assert proposed(full) == []

@@ -88,8 +88,10 @@ PUBLIC: dict[str, list[str]] = {
     ],
     "ledgerbox.migrations": [
         "VERSION_TABLE",
+        "MigrationError",
         "Names",
         "alembic_config",
+        "include_tables",
         "target_metadata",
         "upgrade_database",
     ],
