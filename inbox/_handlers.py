@@ -26,9 +26,10 @@ class ConsumerHooks:
         Called with the open transaction before the inbox row is inserted (e.g. a barrier
         between two workers, C05).
     after_db_commit : Callable[[list[uuid.UUID]], Awaitable[None]] | None
-        Called with the ids of the events whose effects a transaction just committed (one
-        for a message, those of the run for a batch; never an empty list), right after that
-        commit and before anything else: :attr:`after_commit`, "done" in Redis, the offset.
+        Called with the ids of the events whose effects a transaction just committed (the
+        message's, or a batch's applied ones in offset order; never an empty list), right
+        after that commit and before anything else: :attr:`after_commit`, "done" in Redis,
+        the offset.
         A hook that never returns leaves the process exactly between the database commit
         and the offset commit (the kill -9 test of G4).
     after_commit : Callable[[Record, Outcome], Awaitable[None]] | None
@@ -36,8 +37,8 @@ class ConsumerHooks:
     """
 
     after_begin: Callable[[HandlerContext[Any]], Awaitable[None]] | None = None
-    after_db_commit: Callable[[list[uuid.UUID]], Awaitable[None]] | None = None
     after_commit: Callable[[Any, Outcome], Awaitable[None]] | None = None
+    after_db_commit: Callable[[list[uuid.UUID]], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

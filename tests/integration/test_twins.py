@@ -121,9 +121,7 @@ def capture(engine: Engine) -> Iterator[list[Statement]]:
         sa.event.remove(engine, "before_cursor_execute", listener)
 
 
-def run_sync(
-    engine: Engine, fn: Callable[[Session], Any], binds: dict[Any, Engine] | None = None
-) -> Run:
+def run_sync(engine: Engine, fn: Callable[[Session], Any], binds: Any = None) -> Run:
     run = Run()
     session = Session(engine) if binds is None else Session(binds=binds)
     with session, capture(engine) as seen:
@@ -140,7 +138,7 @@ def run_sync(
 async def run_async(
     async_engine: AsyncEngine,
     fn: Callable[[AsyncSession], Awaitable[Any]],
-    binds: dict[Any, AsyncEngine] | None = None,
+    binds: Any = None,
 ) -> Run:
     run = Run()
     session = AsyncSession(async_engine) if binds is None else AsyncSession(binds=binds)
@@ -342,20 +340,20 @@ async def test_fenced_update_twins(
     values = {"note": "fenced"}
 
     def sync_fn(session: Session) -> Any:
-        done = fenced_update(session, accounts, key, token, values)
-        return done, session.execute(sa.select(accounts).order_by(accounts.c.id)).all()
+        fenced_update(session, accounts, key, token, values)
+        return session.execute(sa.select(accounts).order_by(accounts.c.id)).all()
 
     async def async_fn(session: AsyncSession) -> Any:
-        done = await afenced_update(session, accounts, key, token, values)
-        return done, (await session.execute(sa.select(accounts).order_by(accounts.c.id))).all()
+        await afenced_update(session, accounts, key, token, values)
+        return (await session.execute(sa.select(accounts).order_by(accounts.c.id))).all()
 
     sync = run_sync(engine, sync_fn)
     asyn = await run_async(async_engine, async_fn)
     same_run(sync, asyn)
     assert sync.sql and sync.sql[0][0].startswith("UPDATE twin_accounts SET")
     if outcome is None:
-        assert sync.error is None and sync.result[0] is None
-        row = next(r for r in sync.result[1] if r.id == key["id"])
+        assert sync.error is None
+        row = next(r for r in sync.result if r.id == key["id"])
         assert (row.note, row.fence) == ("fenced", token)
     else:
         assert isinstance(sync.error, FencedWriteError)
@@ -389,7 +387,11 @@ async def test_fenced_update_twins_translate_alike_inside_a_handler(
         (sync_stale, async_stale, FencedWriteError),
     ]:
         errors: list[BaseException] = []
-        for tx, fn in [(SyncTx(engine), sync_fn), (AsyncTx(async_engine), async_fn)]:
+        pairs: list[tuple[Tx, Callable[..., Any]]] = [
+            (SyncTx(engine), sync_fn),
+            (AsyncTx(async_engine), async_fn),
+        ]
+        for tx, fn in pairs:
             with pytest.raises(expected) as caught:
                 await tx.call(fn, tx.session)
             await tx.aclose()
@@ -443,8 +445,8 @@ async def test_stage_once_twins_on_sessions(
     again = _event(first.idempotency_key, {"amount": Decimal("9.99"), "n": 2})
     fresh = _event(f"twin:{uuid.uuid4()}")
     table = WRITER.table.table
-    sync_binds: dict[Any, Engine] | None = {table: engine} if binds else None
-    async_binds: dict[Any, AsyncEngine] | None = {table: async_engine} if binds else None
+    sync_binds = {table: engine} if binds else None
+    async_binds = {table: async_engine} if binds else None
     for event, created, statements in [(fresh, True, 1), (again, False, 2)]:
         sync = run_sync(engine, _stage_sync(event), sync_binds)
         asyn = await run_async(async_engine, _stage_async(event), async_binds)
