@@ -13,17 +13,15 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ledgerbox.inbox._context import HandlerContext
+from ledgerbox.inbox._deps import PipelineDeps
 from ledgerbox.inbox._handlers import Registered
 from ledgerbox.inbox._message import MessagePipeline
 from ledgerbox.inbox._policy import Outcome
 from ledgerbox.inbox._record import Parsed, Record, parse_record, record_timestamp_ms
 from ledgerbox.outbox import EventEnvelope
-
-if TYPE_CHECKING:
-    from ledgerbox.inbox._consumer import InboxConsumer
 
 __all__ = ["BatchPipeline"]
 
@@ -31,12 +29,21 @@ _log = logging.getLogger("ledgerbox.inbox")
 
 
 class BatchPipeline:
-    """The batched path of one :class:`inbox.InboxConsumer`."""
+    """The batched path of one consumer.
 
-    def __init__(self, consumer: InboxConsumer, messages: MessagePipeline) -> None:
-        self.consumer = consumer
+    Parameters
+    ----------
+    deps : PipelineDeps
+        The consumer's dependencies.
+    messages : MessagePipeline
+        The per-message path, for the records that cannot share a transaction and for the
+        runs that rolled back.
+    """
+
+    def __init__(self, deps: PipelineDeps, messages: MessagePipeline) -> None:
+        self.deps = deps
         self.messages = messages
-        self.metrics = consumer._metrics
+        self.metrics = deps.metrics
 
     async def process(
         self, records: Sequence[Record], abandon: Callable[[], bool]
@@ -75,15 +82,15 @@ class BatchPipeline:
 
     def _batchable_run(self, parsed: Sequence[Parsed], start: int) -> tuple[int, Registered | None]:
         # The end of the run of events starting at ``start`` that may share a transaction.
-        c = self.consumer
-        limit = 1 if c.lock is not None else c.config.batch_max_records
+        deps = self.deps
+        limit = 1 if deps.lock is not None else deps.config.batch_max_records
         kind: Registered | None = None
         end = start
         while end < len(parsed) and end - start < limit:
             event = parsed[end]
             if not isinstance(event, EventEnvelope):
                 break
-            registered = c._handlers.get(event.event_type)
+            registered = deps.handlers.get(event.event_type)
             if registered is None or (kind is not None and registered.is_async != kind.is_async):
                 break
             kind = kind or registered
@@ -93,12 +100,12 @@ class BatchPipeline:
     async def _apply(
         self, records: Sequence[Record], events: list[EventEnvelope], kind: Registered
     ) -> list[Outcome] | None:
-        c = self.consumer
-        group, dedup, metrics = c.group_id, c.dedup, self.metrics
+        deps = self.deps
+        group, dedup, metrics = deps.group_id, deps.dedup, self.metrics
         ids = [e.event_id for e in events]
         done: set[uuid.UUID] = set()
         if dedup is not None:
-            done = await c.gate.call(lambda: dedup.done_among(group, ids), set())
+            done = await deps.gate.call(lambda: dedup.done_among(group, ids), set())
         outcomes: list[Outcome] = [Outcome.DUPLICATE] * len(events)
         todo: list[tuple[int, EventEnvelope, Record]] = []
         seen: set[uuid.UUID] = set()
@@ -112,10 +119,10 @@ class BatchPipeline:
                 todo.append((k, event, record))
         if not todo:
             return outcomes
-        tx = c._open_tx(kind.is_async)
+        tx = deps.open_tx(kind.is_async)
         started = time.perf_counter()
         try:
-            claimed = await c.store.claim_many(
+            claimed = await deps.store.claim_many(
                 tx, [(e.event_id, e.event_type, r) for _k, e, r in todo]
             )
             for k, event, record in todo:
@@ -130,9 +137,9 @@ class BatchPipeline:
                     offset=record.offset,
                     timestamp_ms=record_timestamp_ms(record),
                 )
-                if c.hooks.after_begin is not None:
-                    await c.hooks.after_begin(ctx)
-                await tx.call(c._handlers[event.event_type].fn, ctx, event)
+                if deps.hooks.after_begin is not None:
+                    await deps.hooks.after_begin(ctx)
+                await tx.call(deps.handlers[event.event_type].fn, ctx, event)
                 outcomes[k] = Outcome.APPLIED
             await tx.commit()
         except Exception as exc:
@@ -148,12 +155,12 @@ class BatchPipeline:
             metrics.handler_duration.observe(elapsed_s / len(todo))
         metrics.processed.inc(len(applied))
         metrics.duplicates_db.inc(len(todo) - len(applied))
-        if applied:
-            await self.messages.stall_if_asked(applied[0])
-        if c.hooks.after_commit is not None:
+        if applied and deps.hooks.after_db_commit is not None:
+            await deps.hooks.after_db_commit(applied)
+        if deps.hooks.after_commit is not None:
             for record, outcome in zip(records, outcomes, strict=True):
-                await c.hooks.after_commit(record, outcome)
+                await deps.hooks.after_commit(record, outcome)
         if dedup is not None:
-            ttl_s = c.config.dedup_ttl_s
-            await c.gate.call(lambda: dedup.mark_done_many(group, ids, ttl_s), None)
+            ttl_s = deps.config.dedup_ttl_s
+            await deps.gate.call(lambda: dedup.mark_done_many(group, ids, ttl_s), None)
         return outcomes

@@ -3,7 +3,9 @@
 This module holds the public :class:`InboxConsumer` (registration, resources, retention, the
 Kafka loop). The steps for one record are in :mod:`inbox._message`, several records of a
 partition in one transaction in :mod:`inbox._batch`, poison records in
-:mod:`inbox._deadletter`, the Kafka side (partition workers, offsets) in :mod:`inbox._runner`.
+:mod:`inbox._deadletterer`, the Kafka side (partition workers, offsets) in :mod:`inbox._runner`.
+The consumer builds what the steps use once, as a :class:`inbox._deps.PipelineDeps`; no step
+sees the consumer itself.
 
 Offsets are committed only for records that finished (applied, duplicate, ignored) or were
 dead-lettered. Partitions run concurrently (one task each), records of one partition strictly
@@ -14,15 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ledgerbox.inbox._batch import BatchPipeline
 from ledgerbox.inbox._config import ConsumerConfig
-from ledgerbox.inbox._deadletter import DeadLetterer, DeadLetterPublisher, KafkaDeadLetterPublisher
+from ledgerbox.inbox._deadletter import DeadLetterPublisher, KafkaDeadLetterPublisher
+from ledgerbox.inbox._deadletterer import DeadLetterer
+from ledgerbox.inbox._deps import PipelineDeps
 from ledgerbox.inbox._gate import RedisGate
 from ledgerbox.inbox._handlers import ConsumerHooks, Handler, Registered
 from ledgerbox.inbox._message import MessagePipeline
@@ -36,12 +41,10 @@ from ledgerbox.inbox._redis import (
     RedisDedupStore,
     redis_client,
 )
+from ledgerbox.inbox._runner import KafkaRunner
 from ledgerbox.inbox._store import InboxStore
 from ledgerbox.inbox._table import InboxTable
 from ledgerbox.inbox._tx import AsyncTx, SyncTx, Tx
-
-if TYPE_CHECKING:
-    from ledgerbox.inbox._runner import KafkaRunner
 
 __all__ = ["ConsumerHooks", "Handler", "InboxConsumer", "Record"]
 
@@ -66,6 +69,9 @@ class InboxConsumer:
         Database engines; default: built from ``config.database_url``.
     hooks : ConsumerHooks | None
         Test-only fault injection.
+
+    The collaborators (``store``, ``dedup``, ``lock``, ``dead_letters``, ``gate``, ``hooks``)
+    are fixed when the consumer is built: its steps receive them once.
 
     Guarantee: a handler's writes commit in the same transaction as the inbox row of its
     event, so for one group and event id at most one effect ever commits, whatever the
@@ -107,10 +113,21 @@ class InboxConsumer:
         self._handlers: dict[str, Registered] = {}
         self._stop_requested = False
         self._runner: KafkaRunner | None = None
-        self._metrics = GroupMetrics(config.group_id)
-        self._dead_letterer = DeadLetterer(self)
-        self._messages = MessagePipeline(self)
-        self._batches = BatchPipeline(self, self._messages)
+        self._deps = PipelineDeps(
+            config=config,
+            group_id=config.group_id,
+            store=self.store,
+            handlers=types.MappingProxyType(self._handlers),
+            dedup=dedup,
+            lock=lock,
+            gate=self.gate,
+            dead_letters=self.dead_letters,
+            metrics=GroupMetrics(config.group_id),
+            hooks=self.hooks,
+            open_tx=self._open_tx,
+        )
+        self._messages = MessagePipeline(self._deps, DeadLetterer(self._deps))
+        self._batches = BatchPipeline(self._deps, self._messages)
 
     # -- registration -------------------------------------------------------------------
 
@@ -263,9 +280,7 @@ class InboxConsumer:
         revoked partitions' in-flight records finish and their offsets commit before the
         partitions are given up. Resources this consumer created are released at the end.
         """
-        from ledgerbox.inbox._runner import KafkaRunner
-
-        runner = KafkaRunner(self)
+        runner = KafkaRunner(self._deps, self.process_batch)
         self._runner = runner
         if self._stop_requested:
             runner.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,12 +25,20 @@ class ConsumerHooks:
     after_begin : Callable[[HandlerContext], Awaitable[None]] | None
         Called with the open transaction before the inbox row is inserted (e.g. a barrier
         between two workers, C05).
+    after_db_commit : Callable[[list[uuid.UUID]], Awaitable[None]] | None
+        Called with the ids of the events whose effects a transaction just committed (the
+        message's, or a batch's applied ones in offset order; never an empty list), right
+        after that commit and before anything else: :attr:`after_commit`, "done" in Redis,
+        the offset.
+        A hook that never returns leaves the process exactly between the database commit
+        and the offset commit (the kill -9 test of G4).
     after_commit : Callable[[Record, Outcome], Awaitable[None]] | None
         Called after the database transaction and before Redis and the offset.
     """
 
     after_begin: Callable[[HandlerContext[Any]], Awaitable[None]] | None = None
     after_commit: Callable[[Any, Outcome], Awaitable[None]] | None = None
+    after_db_commit: Callable[[list[uuid.UUID]], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ Steps for one record:
    is deleted); the caller marks the offset committable.
 
 Transient failures rerun the whole transaction with backoff; permanent ones and exhausted
-retries are dead-lettered (:mod:`ledgerbox.inbox._deadletter`).
+retries are dead-lettered (:mod:`ledgerbox.inbox._deadletterer`).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
-import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ledgerbox._core.faults import Fault
 from ledgerbox.inbox._context import HandlerContext
+from ledgerbox.inbox._deadletterer import DeadLetterer
+from ledgerbox.inbox._deps import PipelineDeps
 from ledgerbox.inbox._errors import FencedWriteError, LockBusyError, VersionConflictError
 from ledgerbox.inbox._handlers import Registered
 from ledgerbox.inbox._policy import Outcome, classify, should_retry
@@ -44,26 +44,26 @@ from ledgerbox.inbox._record import (
 from ledgerbox.inbox._redis import LockLease, new_token
 from ledgerbox.outbox import EnvelopeParseError, EventEnvelope
 
-if TYPE_CHECKING:
-    from ledgerbox.inbox._consumer import InboxConsumer
-
-__all__ = ["STALL_AFTER_COMMIT_ENV", "MessagePipeline"]
+__all__ = ["MessagePipeline"]
 
 _log = logging.getLogger("ledgerbox.inbox")
 
-#: Test-only: when set to a file path, the consumer creates that file right after a handler's
-#: database commit and then stalls before anything else (Redis "done", offset commit), so a
-#: test can kill it exactly between the DB commit and the offset commit.
-STALL_AFTER_COMMIT_ENV = "LEDGERBOX_INBOX_TEST_STALL_AFTER_COMMIT"
-
 
 class MessagePipeline:
-    """The per-message path of one :class:`inbox.InboxConsumer`."""
+    """The per-message path of one consumer.
 
-    def __init__(self, consumer: InboxConsumer) -> None:
-        self.consumer = consumer
-        self.metrics = consumer._metrics
-        self._stall_path = os.environ.get(STALL_AFTER_COMMIT_ENV) or None
+    Parameters
+    ----------
+    deps : PipelineDeps
+        The consumer's dependencies.
+    dead_letterer : DeadLetterer
+        Takes the records that cannot be applied.
+    """
+
+    def __init__(self, deps: PipelineDeps, dead_letterer: DeadLetterer) -> None:
+        self.deps = deps
+        self.metrics = deps.metrics
+        self.dead_letterer = dead_letterer
 
     async def process(
         self, record: Record, abandon: Callable[[], bool], parsed: Parsed | None = None
@@ -73,20 +73,20 @@ class MessagePipeline:
         ``parsed`` is the record's :func:`inbox._record.parse_record` result when the caller
         already has it. Returns the record's :class:`inbox.Outcome`.
         """
-        c = self.consumer
+        deps = self.deps
         if parsed is None:
             parsed = parse_record(record)
         if isinstance(parsed, EnvelopeParseError):
-            return await c._dead_letterer.dead_letter(record, None, parsed, 1, abandon)
+            return await self.dead_letterer.dead_letter(record, None, parsed, 1, abandon)
         event = parsed
-        registered = c._handlers.get(event.event_type)
+        registered = deps.handlers.get(event.event_type)
         if registered is None:
             _log.debug("no handler for %s, event %s ignored", event.event_type, event.event_id)
             return Outcome.IGNORED
         owner: str | None = None
         marked_done = False
         try:
-            if c.dedup is not None:
+            if deps.dedup is not None:
                 hint = await self._redis_fast_path(event, abandon)
                 if hint is Outcome.DUPLICATE:
                     return Outcome.DUPLICATE
@@ -100,10 +100,10 @@ class MessagePipeline:
         finally:
             # Once "done" is recorded our marker is moot (a claimant refused by it asks
             # is_done and stops); otherwise it must go, so that nobody waits for its TTL.
-            dedup = c.dedup
+            dedup = deps.dedup
             if owner is not None and not marked_done and dedup is not None:
-                group, event_id, mine = c.group_id, event.event_id, owner
-                await c.gate.call(lambda: dedup.unclaim(group, event_id, mine), None)
+                group, event_id, mine = deps.group_id, event.event_id, owner
+                await deps.gate.call(lambda: dedup.unclaim(group, event_id, mine), None)
 
     async def _redis_fast_path(
         self, event: EventEnvelope, abandon: Callable[[], bool]
@@ -113,12 +113,12 @@ class MessagePipeline:
         # transaction; after its TTL (or our wait) the database decides, so a crashed
         # claimant never hides an event (C11). The claim comes first: the Redis store
         # refuses a done event in the same round trip, so a new event costs one Redis call.
-        c = self.consumer
-        dedup, ttl_ms = c.dedup, c.config.in_progress_ttl_ms
+        deps = self.deps
+        dedup, ttl_ms = deps.dedup, deps.config.in_progress_ttl_ms
         assert dedup is not None
-        group, event_id = c.group_id, event.event_id
+        group, event_id = deps.group_id, event.event_id
         if ttl_ms is None:
-            if await c.gate.call(lambda: dedup.is_done(group, event_id), False):
+            if await deps.gate.call(lambda: dedup.is_done(group, event_id), False):
                 self.metrics.duplicates_redis.inc()
                 return Outcome.DUPLICATE
             return None
@@ -126,9 +126,9 @@ class MessagePipeline:
         deadline = time.monotonic() + ttl_ms / 1000
         delay_s = 0.01
         while True:
-            if await c.gate.call(lambda: dedup.claim(group, event_id, owner, ttl_ms), True):
+            if await deps.gate.call(lambda: dedup.claim(group, event_id, owner, ttl_ms), True):
                 return owner
-            if await c.gate.call(lambda: dedup.is_done(group, event_id), False):
+            if await deps.gate.call(lambda: dedup.is_done(group, event_id), False):
                 self.metrics.duplicates_redis.inc()
                 return Outcome.DUPLICATE
             if abandon():
@@ -145,7 +145,7 @@ class MessagePipeline:
         record: Record,
         abandon: Callable[[], bool],
     ) -> Outcome:
-        c = self.consumer
+        deps = self.deps
         attempt = 0
         while True:
             attempt += 1
@@ -154,12 +154,14 @@ class MessagePipeline:
             except Abandon:
                 raise
             except Exception as exc:
-                kind = classify(exc, inbox_constraint=c.store.pk_constraint)
+                kind = classify(exc, inbox_constraint=deps.store.pk_constraint)
                 if kind is Fault.DUPLICATE:
                     self.metrics.duplicates_db.inc()
                     return Outcome.DUPLICATE
-                if not should_retry(kind, attempt, c.config.max_attempts):
-                    return await c._dead_letterer.dead_letter(record, event, exc, attempt, abandon)
+                if not should_retry(kind, attempt, deps.config.max_attempts):
+                    return await self.dead_letterer.dead_letter(
+                        record, event, exc, attempt, abandon
+                    )
                 self.metrics.retries.inc()
                 if isinstance(exc, VersionConflictError | FencedWriteError):
                     self.metrics.conflicts.inc()
@@ -172,7 +174,7 @@ class MessagePipeline:
                     kind.value,
                     exc,
                 )
-                delay_s = c.config.backoff.delay_s(min(attempt, 30))
+                delay_s = deps.config.backoff.delay_s(min(attempt, 30))
                 await sleep_unless_abandoned(delay_s, abandon)
 
     async def _attempt(
@@ -183,14 +185,14 @@ class MessagePipeline:
         attempt: int,
         abandon: Callable[[], bool],
     ) -> Outcome:
-        c = self.consumer
+        deps = self.deps
         lease = await self._acquire_lock(event, abandon)
         renewer: asyncio.Task[None] | None = None
         try:
-            tx = c._open_tx(registered.is_async)
+            tx = deps.open_tx(registered.is_async)
             ctx: HandlerContext[Any] = HandlerContext(
                 session=tx.session,
-                group_id=c.group_id,
+                group_id=deps.group_id,
                 attempt=attempt,
                 topic=record.topic,
                 partition=record.partition,
@@ -202,9 +204,9 @@ class MessagePipeline:
                 renewer = asyncio.create_task(self._renew(lease, ctx))
             started = time.perf_counter()
             try:
-                if c.hooks.after_begin is not None:
-                    await c.hooks.after_begin(ctx)
-                claimed = await c.store.claim(tx, event.event_id, event.event_type, record)
+                if deps.hooks.after_begin is not None:
+                    await deps.hooks.after_begin(ctx)
+                claimed = await deps.store.claim(tx, event.event_id, event.event_type, record)
                 if claimed:
                     await tx.call(registered.fn, ctx, event)
                     await tx.commit()
@@ -216,58 +218,51 @@ class MessagePipeline:
                 renewer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await renewer
-            if lease is not None and c.lock is not None:
-                lock = c.lock
-                await c.gate.call(lambda: lock.release(lease), False)
+            if lease is not None and deps.lock is not None:
+                lock = deps.lock
+                await deps.gate.call(lambda: lock.release(lease), False)
         if claimed:
             self.metrics.processed.inc()
             return Outcome.APPLIED
         self.metrics.duplicates_db.inc()
         return Outcome.DUPLICATE
 
-    async def stall_if_asked(self, event_id: uuid.UUID) -> None:
-        """Test-only crash point after a database commit (see ``STALL_AFTER_COMMIT_ENV``)."""
-        if self._stall_path is not None:
-            path, line = self._stall_path, f"{event_id}\n"
-            await asyncio.to_thread(lambda: open(path, "a").write(line))  # noqa: SIM115
-            await asyncio.Event().wait()  # until the test kills this process
-
     async def after_commit(self, record: Record, event: EventEnvelope, outcome: Outcome) -> bool:
         """Step 5 for one event whose effect is committed (``APPLIED``, or ``DUPLICATE``
-        found by the database): the hook, then "done" in Redis. True if "done" was recorded.
+        found by the database): the hooks, then "done" in Redis. True if "done" was recorded.
         """
-        c = self.consumer
-        if outcome is Outcome.APPLIED:
-            await self.stall_if_asked(event.event_id)
-        if c.hooks.after_commit is not None:
-            await c.hooks.after_commit(record, outcome)
-        dedup = c.dedup
+        deps = self.deps
+        if outcome is Outcome.APPLIED and deps.hooks.after_db_commit is not None:
+            await deps.hooks.after_db_commit([event.event_id])
+        if deps.hooks.after_commit is not None:
+            await deps.hooks.after_commit(record, outcome)
+        dedup = deps.dedup
         if dedup is None:
             return False
-        group, event_id, ttl_s = c.group_id, event.event_id, c.config.dedup_ttl_s
+        group, event_id, ttl_s = deps.group_id, event.event_id, deps.config.dedup_ttl_s
 
         async def mark() -> bool:
             await dedup.mark_done(group, event_id, ttl_s)
             return True
 
-        return await c.gate.call(mark, False)
+        return await deps.gate.call(mark, False)
 
     async def _acquire_lock(
         self, event: EventEnvelope, abandon: Callable[[], bool]
     ) -> LockLease | None:
-        c = self.consumer
-        lock = c.lock
+        deps = self.deps
+        lock = deps.lock
         if lock is None:
             return None
-        name = f"{c.group_id}:{event.aggregate_type}:{event.aggregate_id}"
-        ttl_ms = c.config.lock_ttl_ms
-        deadline = time.monotonic() + c.config.effective_lock_wait_ms / 1000
+        name = f"{deps.group_id}:{event.aggregate_type}:{event.aggregate_id}"
+        ttl_ms = deps.config.lock_ttl_ms
+        deadline = time.monotonic() + deps.config.effective_lock_wait_ms / 1000
         delay_s = 0.005
         while True:
-            if not c.gate.usable():
+            if not deps.gate.usable():
                 return None
-            lease = await c.gate.call(lambda: lock.acquire(name, ttl_ms), None)
-            if lease is not None or c.gate.degraded:
+            lease = await deps.gate.call(lambda: lock.acquire(name, ttl_ms), None)
+            if lease is not None or deps.gate.degraded:
                 return lease
             if time.monotonic() >= deadline:
                 raise LockBusyError(f"aggregate lock {name!r} stayed taken")
@@ -275,12 +270,12 @@ class MessagePipeline:
             delay_s = min(delay_s * 2, 0.1)
 
     async def _renew(self, lease: LockLease, ctx: HandlerContext[Any]) -> None:
-        c = self.consumer
-        lock, ttl_ms = c.lock, c.config.lock_ttl_ms
+        deps = self.deps
+        lock, ttl_ms = deps.lock, deps.config.lock_ttl_ms
         assert lock is not None
         while True:
             await asyncio.sleep(ttl_ms / 3000)
-            owned = await c.gate.call(lambda: lock.renew(lease, ttl_ms), True)
+            owned = await deps.gate.call(lambda: lock.renew(lease, ttl_ms), True)
             if not owned:
                 ctx.lock_lost = True
                 _log.warning("aggregate lock %s lost while its handler ran", lease.name)

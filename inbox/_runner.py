@@ -14,8 +14,8 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, Protocol
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
@@ -23,23 +23,42 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from ledgerbox.inbox._config import ConsumerConfig
+from ledgerbox.inbox._deps import PipelineDeps
 from ledgerbox.inbox._policy import Outcome
+from ledgerbox.inbox._record import Record
 from ledgerbox.inbox._redis import RedisDedupStore, redis_client
 
-if TYPE_CHECKING:
-    from ledgerbox.inbox._consumer import InboxConsumer
-
-__all__ = ["KafkaRunner", "check_connectivity"]
+__all__ = ["BatchProcessor", "KafkaRunner", "check_connectivity"]
 
 _log = logging.getLogger("ledgerbox.inbox")
 
 
-class KafkaRunner:
-    """One run of an :class:`inbox.InboxConsumer` against Kafka (until :meth:`stop`)."""
+class BatchProcessor(Protocol):
+    """:meth:`inbox.InboxConsumer.process_batch`: the pipeline for records of ONE partition."""
 
-    def __init__(self, consumer: InboxConsumer) -> None:
-        self.consumer = consumer
-        self.config = consumer.config
+    def __call__(
+        self, records: Sequence[Record], *, abandon: Callable[[], bool] | None = None
+    ) -> Awaitable[list[Outcome]]:
+        """One outcome per record, in order; it stops after the first ``ABANDONED``."""
+        ...
+
+
+class KafkaRunner:
+    """One run of a consumer against Kafka (until :meth:`stop`).
+
+    Parameters
+    ----------
+    deps : PipelineDeps
+        Uses ``config`` (Kafka settings, intervals, batch size) and, to probe Redis while it
+        is down, ``dedup`` or ``lock`` and ``gate``.
+    process_batch : BatchProcessor
+        Runs the pipeline for the records a partition worker took from its queue.
+    """
+
+    def __init__(self, deps: PipelineDeps, process_batch: BatchProcessor) -> None:
+        self.deps = deps
+        self.process_batch = process_batch
+        self.config = deps.config
         self.stopping = asyncio.Event()
         self.commit_wanted = asyncio.Event()
         self.commit_lock = asyncio.Lock()
@@ -161,12 +180,12 @@ class KafkaRunner:
             await asyncio.sleep(interval_s)
 
     async def _probe_loop(self) -> None:
-        consumer = self.consumer
+        deps = self.deps
         while True:
             await asyncio.sleep(self.config.redis_probe_interval_s)
-            store = consumer.dedup or consumer.lock
+            store = deps.dedup or deps.lock
             if store is not None:
-                await consumer.gate.probe(store.ping)
+                await deps.gate.probe(store.ping)
 
 
 class _PartitionWorker:
@@ -193,7 +212,7 @@ class _PartitionWorker:
         await self.task
 
     async def _run(self) -> None:
-        consumer = self.runner.consumer
+        runner = self.runner
         while True:
             while not self.queue:
                 if self.closing:
@@ -202,14 +221,14 @@ class _PartitionWorker:
                 await self._wake.wait()
             if self.closing:
                 return
-            take = min(len(self.queue), consumer.config.batch_max_records)
+            take = min(len(self.queue), runner.config.batch_max_records)
             records = [self.queue.popleft() for _ in range(take)]
-            outcomes = await consumer.process_batch(records, abandon=lambda: self.closing)
+            outcomes = await runner.process_batch(records, abandon=lambda: self.closing)
             for record, outcome in zip(records, outcomes, strict=False):
                 if outcome is Outcome.ABANDONED:
                     return
                 self.position = record.offset + 1
-            self.runner.commit_wanted.set()
+            runner.commit_wanted.set()
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -1,7 +1,9 @@
 """Guarded writes for handlers: optimistic versions (G5, C06) and fencing tokens (C10).
 
 These run the caller's SQL in the caller's session and transaction; the consumer turns the
-typed errors into a rollback and a rerun of the handler in a fresh transaction.
+typed errors into a rollback and a rerun of the handler in a fresh transaction. Each sync
+function and its async twin run ONE plan (:mod:`ledgerbox._core.plan`): the same statement,
+the same reading of its result, the same error.
 
 Pattern (both in one statement, when a row has both columns)::
 
@@ -18,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
+from ledgerbox._core.plan import Plan, arun_plan, run_plan
 from ledgerbox.inbox._errors import FencedWriteError, VersionConflictError
 
 __all__ = ["afenced_update", "aupdate_versioned", "fenced_update", "update_versioned"]
@@ -36,13 +39,13 @@ def _where(table: sa.Table, key: Mapping[str, Any]) -> list[sa.ColumnElement[boo
     return [table.c[name] == value for name, value in key.items()]
 
 
-def _versioned_statement(
+def _versioned_plan(
     target: Any,
     key: Mapping[str, Any],
     expected_version: int,
     values: Mapping[str, Any],
     version_column: str,
-) -> tuple[sa.Table, sa.Update]:
+) -> Plan[sa.Update, sa.Result[Any], int]:
     table = _table(target)
     version = table.c[version_column]
     statement = (
@@ -51,16 +54,19 @@ def _versioned_statement(
         .values({**values, version_column: version + 1})
         .returning(version)
     )
-    return table, statement
+    new_version = (yield statement).scalar_one_or_none()
+    if new_version is None:
+        raise VersionConflictError(table.name, key, expected_version)
+    return int(new_version)
 
 
-def _fenced_statement(
+def _fenced_plan(
     target: Any,
     key: Mapping[str, Any],
     fencing_token: int,
     values: Mapping[str, Any],
     fence_column: str,
-) -> tuple[sa.Table, sa.Update]:
+) -> Plan[sa.Update, sa.Result[Any], None]:
     table = _table(target)
     fence = table.c[fence_column]
     statement = (
@@ -68,7 +74,8 @@ def _fenced_statement(
         .where(*_where(table, key), sa.or_(fence.is_(None), fence < fencing_token))
         .values({**values, fence_column: fencing_token})
     )
-    return table, statement
+    if (yield statement).rowcount != 1:  # type: ignore[attr-defined]
+        raise FencedWriteError(table.name, key, fencing_token)
 
 
 def update_versioned(
@@ -108,11 +115,8 @@ def update_versioned(
         No row matched: it changed or vanished since it was read (never a silent no-op).
         Inside an :class:`inbox.InboxConsumer` handler this reruns the handler (C06).
     """
-    name, statement = _versioned_statement(table, key, expected_version, values, version_column)
-    new_version = session.execute(statement).scalar_one_or_none()
-    if new_version is None:
-        raise VersionConflictError(name.name, key, expected_version)
-    return int(new_version)
+    plan = _versioned_plan(table, key, expected_version, values, version_column)
+    return run_plan(plan, session.execute)
 
 
 async def aupdate_versioned(
@@ -125,11 +129,8 @@ async def aupdate_versioned(
     version_column: str = "version",
 ) -> int:
     """Async :func:`update_versioned` for an ``AsyncSession`` (same statement, same errors)."""
-    name, statement = _versioned_statement(table, key, expected_version, values, version_column)
-    new_version = (await session.execute(statement)).scalar_one_or_none()
-    if new_version is None:
-        raise VersionConflictError(name.name, key, expected_version)
-    return int(new_version)
+    plan = _versioned_plan(table, key, expected_version, values, version_column)
+    return await arun_plan(plan, session.execute)
 
 
 def fenced_update(
@@ -165,9 +166,7 @@ def fenced_update(
         No row matched: a newer token wrote the row (or it does not exist). Retried by the
         consumer with a freshly acquired lock.
     """
-    name, statement = _fenced_statement(table, key, fencing_token, values, fence_column)
-    if session.execute(statement).rowcount != 1:  # type: ignore[attr-defined]
-        raise FencedWriteError(name.name, key, fencing_token)
+    run_plan(_fenced_plan(table, key, fencing_token, values, fence_column), session.execute)
 
 
 async def afenced_update(
@@ -179,8 +178,6 @@ async def afenced_update(
     *,
     fence_column: str = "fence",
 ) -> None:
-    """Async :func:`fenced_update` for an ``AsyncSession``."""
-    name, statement = _fenced_statement(table, key, fencing_token, values, fence_column)
-    result = await session.execute(statement)
-    if result.rowcount != 1:  # type: ignore[attr-defined]
-        raise FencedWriteError(name.name, key, fencing_token)
+    """Async :func:`fenced_update` for an ``AsyncSession`` (same statement, same errors)."""
+    plan = _fenced_plan(table, key, fencing_token, values, fence_column)
+    await arun_plan(plan, session.execute)

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.faults import Fault, driver_fault
+from ledgerbox._core.plan import Plan, arun_plan, run_plan
 from ledgerbox.outbox._envelope import EventEnvelope, dumps_payload, to_json_payload
 from ledgerbox.outbox._errors import (
     EventValidationError,
@@ -269,33 +270,28 @@ class OutboxWriter:
         PayloadTooLargeError
             The payload exceeds ``max_payload_bytes``; nothing is written.
         """
-        row = self._row(event)
-        if isinstance(target, Session):
-            # A text statement names no table: route it like the mapped outbox rows (a
-            # Session with per-table binds has no default bind).
-            result = target.execute(self._insert_once_sql, row, bind_arguments=self._bind_args)
-        else:
-            result = target.execute(self._insert_once_sql, row)
-        if result.first() is not None:
-            return Staged(created=True, event=event)
-        existing = target.execute(self._select_by_key(event.idempotency_key)).mappings().one()
-        return Staged(created=False, event=envelope_from_row(existing))
+
+        def execute(query: _Query) -> sa.Result[Any]:
+            if query.routed and isinstance(target, Session):
+                return target.execute(query.statement, query.params, bind_arguments=self._bind_args)
+            return target.execute(query.statement, query.params)
+
+        return run_plan(self._stage_once_plan(event), execute)
 
     async def astage_once(
         self, target: AsyncSession | AsyncConnection, event: EventEnvelope
     ) -> Staged:
-        """The ``async`` form of :meth:`stage_once` for ``AsyncSession`` / ``AsyncConnection``."""
-        row = self._row(event)
-        if isinstance(target, AsyncSession):
-            result = await target.execute(
-                self._insert_once_sql, row, bind_arguments=self._bind_args
-            )
-        else:
-            result = await target.execute(self._insert_once_sql, row)
-        if result.first() is not None:
-            return Staged(created=True, event=event)
-        existing = (await target.execute(self._select_by_key(event.idempotency_key))).mappings()
-        return Staged(created=False, event=envelope_from_row(existing.one()))
+        """The ``async`` form of :meth:`stage_once` for ``AsyncSession`` / ``AsyncConnection``
+        (the same statements, results and errors: both run one plan)."""
+
+        async def execute(query: _Query) -> sa.Result[Any]:
+            if query.routed and isinstance(target, AsyncSession):
+                return await target.execute(
+                    query.statement, query.params, bind_arguments=self._bind_args
+                )
+            return await target.execute(query.statement, query.params)
+
+        return await arun_plan(self._stage_once_plan(event), execute)
 
     def is_duplicate(self, exc: BaseException) -> bool:
         """True if ``exc`` (or its cause) says this event was already written.
@@ -311,6 +307,17 @@ class OutboxWriter:
         return fault is Fault.DUPLICATE and constraint in self.table.duplicate_constraints
 
     # -- internals --------------------------------------------------------------------------
+
+    def _stage_once_plan(self, event: EventEnvelope) -> Plan[_Query, sa.Result[Any], Staged]:
+        # The logic of stage_once and astage_once (ledgerbox._core.plan). A text statement
+        # names no table: a session routes it like the mapped outbox rows (``routed``), as a
+        # Session with per-table binds has no default bind.
+        row = self._row(event)
+        inserted = yield _Query(self._insert_once_sql, row, routed=True)
+        if inserted.first() is not None:
+            return Staged(created=True, event=event)
+        existing = yield _Query(self._select_by_key(event.idempotency_key))
+        return Staged(created=False, event=envelope_from_row(existing.mappings().one()))
 
     def _row(self, event: EventEnvelope) -> dict[str, Any]:
         size = len(dumps_payload(event.payload))
@@ -335,6 +342,15 @@ class OutboxWriter:
     def _select_by_key(self, key: str) -> sa.Select[Any]:
         table = self.table.table
         return sa.select(table).where(table.c.idempotency_key == key)
+
+
+@dataclass(frozen=True, slots=True)
+class _Query:
+    """One statement of a plan: ``routed`` ones get the outbox binds when run on a session."""
+
+    statement: sa.Executable
+    params: dict[str, Any] | None = None
+    routed: bool = False
 
 
 #: The columns a writer fills (the keys of ``OutboxWriter._row``); the others have defaults.

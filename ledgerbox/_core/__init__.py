@@ -1,3 +1,4 @@
 """Private core shared by ``ledgerbox.outbox``, ``ledgerbox.relay`` and ``ledgerbox.inbox``:
-the error root, constants, backoff, identifier validation, lazy exports and the ONE
-classification of driver errors. Nothing here is public API; import from the subpackages."""
+the error root, constants, backoff, identifier validation, lazy exports, the ONE
+classification of driver errors, and the plan that runs a sync function and its async twin
+from one body (``plan``). Nothing here is public API; import from the subpackages."""

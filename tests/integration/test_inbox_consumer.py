@@ -17,11 +17,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import sqlalchemy as sa
+from redis.asyncio import Redis
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
+from ledgerbox.inbox._handlers import ConsumerHooks
 from ledgerbox.inbox._metrics import DUPLICATES, PROCESSED
 from ledgerbox.inbox.testing import record_for
 from ledgerbox.outbox import EventEnvelope, OutboxTable, OutboxWriter, TopicRouter
@@ -56,7 +58,13 @@ def payment_rows(engine: Engine, group: str) -> list[tuple[str, Decimal, str]]:
 
 
 def make_consumer(
-    database_url: str, bootstrap: str, topic: str, group: str, **extra: Any
+    database_url: str,
+    bootstrap: str,
+    topic: str,
+    group: str,
+    *,
+    hooks: ConsumerHooks | None = None,
+    **extra: Any,
 ) -> InboxConsumer:
     consumer = InboxConsumer(
         ConsumerConfig(
@@ -66,7 +74,8 @@ def make_consumer(
             kafka_bootstrap_servers=bootstrap,
             commit_interval_ms=20,
             **extra,
-        )
+        ),
+        hooks=hooks,
     )
 
     @consumer.handler("OrderPlaced")
@@ -166,14 +175,36 @@ async def test_handler_sees_where_and_when_the_record_was_written(
         assert stamp is not None and before_ms - 1000 <= stamp <= after_ms + 1000
 
 
+def stall_after_db_commit(marker: Path) -> ConsumerHooks:
+    """Hooks that append the committed event ids to ``marker``, then block forever: the
+    process stays between its database commit and its offset commit until it is killed."""
+
+    async def stall(event_ids: list[uuid.UUID]) -> None:
+        lines = "".join(f"{event_id}\n" for event_id in event_ids)
+        await asyncio.to_thread(_append, marker, lines)
+        await asyncio.Event().wait()  # until the test kills this process
+
+    return ConsumerHooks(after_db_commit=stall)
+
+
+def _append(path: Path, text: str) -> None:
+    with path.open("a", encoding="utf-8") as out:
+        out.write(text)
+
+
 def app_from_env() -> InboxConsumer:
-    """Factory for `python -m ledgerbox.inbox run --app ...` in a subprocess (kill -9 test)."""
+    """Factory for `python -m ledgerbox.inbox run --app ...` in a subprocess (kill -9 test).
+
+    ``INBOX_IT_STALL_MARKER`` (a file path) installs :func:`stall_after_db_commit`.
+    """
     env = os.environ
+    marker = env.get("INBOX_IT_STALL_MARKER")
     return make_consumer(
         env["INBOX_IT_DATABASE_URL"],
         env["KAFKA_BOOTSTRAP_SERVERS"],
         env["INBOX_IT_TOPIC"],
         env["INBOX_IT_GROUP"],
+        hooks=stall_after_db_commit(Path(marker)) if marker else None,
         redis_url=env.get("INBOX_IT_REDIS_URL") or None,
         redis_key_prefix=env.get("INBOX_IT_REDIS_PREFIX", "ledgerbox:"),
     )
@@ -204,6 +235,7 @@ async def test_redelivery_after_kill_between_db_commit_and_offset_commit(
     new_topic: Any,
     redis_url: str,
     redis_prefix: str,
+    redis_client: Redis,
     tmp_path: Path,
 ) -> None:
     topic = await new_topic.acreate("inbox-kill", partitions=1)
@@ -219,7 +251,7 @@ async def test_redelivery_after_kill_between_db_commit_and_offset_commit(
         "INBOX_IT_GROUP": group,
         "INBOX_IT_REDIS_URL": redis_url,
         "INBOX_IT_REDIS_PREFIX": redis_prefix,
-        "LEDGERBOX_INBOX_TEST_STALL_AFTER_COMMIT": str(marker),
+        "INBOX_IT_STALL_MARKER": str(marker),
     }
     log = tmp_path / "consumer.log"
     first = start_cli(env, log)
@@ -227,11 +259,14 @@ async def test_redelivery_after_kill_between_db_commit_and_offset_commit(
 
         async def stalled() -> bool:
             assert first.poll() is None, log.read_text()
-            return marker.exists()
+            return marker.exists() and marker.read_text().endswith("\n")
 
         await poll(stalled, "the consumer to stall after its DB commit")
+        assert marker.read_text().split() == [str(event.event_id)]
         # The effect committed, the offset did not, Redis never heard of it.
         assert payment_rows(engine, group) == [("21", Decimal("42.50"), "async")]
+        done_key = f"{redis_prefix}inbox:{group}:done:{event.event_id}"
+        assert await redis_client.exists(done_key) == 0
         first.send_signal(signal.SIGKILL)
         first.wait(30)
     finally:
@@ -239,7 +274,7 @@ async def test_redelivery_after_kill_between_db_commit_and_offset_commit(
             first.kill()
     assert await committed(kafka_bootstrap, group, topic) is None
 
-    env.pop("LEDGERBOX_INBOX_TEST_STALL_AFTER_COMMIT")
+    env.pop("INBOX_IT_STALL_MARKER")
     second = start_cli(env, log)
     try:
 
