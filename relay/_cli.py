@@ -52,7 +52,7 @@ RELAY_SETTINGS = CommandSettings(
             on_dead_letter={"old_env": ("LEDGERBOX_RELAY_ON_DEAD",), "old_flags": ("--on-dead",)},
         ),
         Setting(
-            "metrics_port", int, default=0, help="Serve Prometheus metrics on this port (0: off)."
+            "metrics_port", int, default=0, help="Serve Prometheus metrics on this port (0: off)"
         ),
         Setting("log_level", str, default="INFO", help="Logging level (DEBUG, INFO, WARNING)"),
     ],
