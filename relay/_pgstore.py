@@ -139,14 +139,17 @@ WHERE o.id = %(id)s AND o.status = 0 AND l.shard = o.shard AND l.owner = %(me)s
 """
 
 # Bounded batches, row locks only (SKIP LOCKED: never waits on, nor blocks, anyone), and the
-# outer status re-check: a pending or dead row is never deleted.
+# outer status re-check: a pending or dead row is never deleted. ARRAY(subquery) runs once
+# (an InitPlan): with "id IN (subquery)" the planner may pick a nested-loop semi join that
+# re-runs the LIMIT subquery per outer row, each run skipping the rows already deleted, so
+# one statement deleted more than the limit (seen: 2 rows with limit 1 on a small table).
 CLEANUP_PUBLISHED: LiteralString = """
-DELETE FROM {outbox} WHERE id IN (
+DELETE FROM {outbox} WHERE id = ANY(ARRAY(
   SELECT c.id FROM {outbox} AS c
   WHERE c.status = 1 AND c.published_at < now() - make_interval(secs => %(retention_s)s)
   LIMIT %(limit)s
   FOR UPDATE SKIP LOCKED
-) AND status = 1
+)) AND status = 1
 """
 
 CLEANUP_MEMBERS: LiteralString = """
