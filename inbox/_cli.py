@@ -1,61 +1,89 @@
-"""``ledgerbox inbox`` / ``python -m ledgerbox.inbox``: run a consumer, check its health, purge.
+"""``ledgerbox consumer`` / ``python -m ledgerbox.inbox``: run a consumer, check its health, purge.
 
-Every flag is mirrored by an environment variable (pydantic-settings), e.g. ``--app`` by
-``LEDGERBOX_INBOX_APP``; connection URLs also read ``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS``
-and ``REDIS_URL``. ``check`` exit codes: 0 ok, 1 degraded (Redis down, consumers still
-correct), 2 down (PostgreSQL or Kafka unreachable).
+Every flag is mirrored by an environment variable with the prefix ``LEDGERBOX_CONSUMER_``
+(the command's name), e.g. ``--app`` by ``LEDGERBOX_CONSUMER_APP``; connection URLs also read
+``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS`` and ``REDIS_URL`` (the prefixed one wins). The
+former prefix ``LEDGERBOX_INBOX_`` works for one release, with a warning. The mechanism:
+:mod:`ledgerbox._core.settings`; the table: docs/configuration.md. ``check`` exit codes: 0 ok,
+1 degraded (Redis down, consumers still correct), 2 down (PostgreSQL or Kafka unreachable).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-import logging
 import signal
 import sys
-from typing import Annotated, Any
+from typing import Any
 
 import typer
-from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ledgerbox._core.settings import (
+    CommandSettings,
+    Setting,
+    SettingsError,
+    Values,
+    configure_logging,
+)
 from ledgerbox.inbox._config import ConsumerConfig
 from ledgerbox.inbox._consumer import InboxConsumer
 from ledgerbox.inbox._runner import check_connectivity
 
-__all__ = ["InboxSettings", "app", "load_consumer"]
+__all__ = ["CONSUMER_SETTINGS", "app", "load_consumer"]
 
 app = typer.Typer(help="ledgerbox inbox consumer: run handlers, check health, purge.")
 
 _EXIT = {"ok": 0, "degraded": 1, "down": 2}
 
-
-class InboxSettings(BaseSettings):
-    """Settings of the inbox CLI; each field is a flag and an environment variable."""
-
-    model_config = SettingsConfigDict(env_prefix="LEDGERBOX_INBOX_", extra="ignore")
-
-    app: str | None = None
-    log_level: str = "INFO"
-    metrics_port: int | None = None
-    database_url: str | None = Field(
-        default=None, validation_alias=AliasChoices("LEDGERBOX_INBOX_DATABASE_URL", "DATABASE_URL")
-    )
-    kafka_bootstrap_servers: str | None = Field(
-        default=None,
-        validation_alias=AliasChoices(
-            "LEDGERBOX_INBOX_KAFKA_BOOTSTRAP_SERVERS", "KAFKA_BOOTSTRAP_SERVERS"
+#: Every setting of ``ledgerbox consumer``.
+CONSUMER_SETTINGS = CommandSettings(
+    "consumer",
+    [
+        Setting(
+            "app",
+            str,
+            help="module:attribute of an InboxConsumer or of a no-argument factory of one",
+            label="consumer app (module:attribute)",
         ),
-    )
-    redis_url: str | None = Field(
-        default=None, validation_alias=AliasChoices("LEDGERBOX_INBOX_REDIS_URL", "REDIS_URL")
-    )
+        Setting("log_level", str, default="INFO", help="Logging level (DEBUG, INFO, WARNING)"),
+        Setting("metrics_port", int, help="Serve Prometheus metrics on this port (unset: off)"),
+        Setting(
+            "database_url",
+            str,
+            help="SQLAlchemy URL of the inbox database (check without --app)",
+            well_known=("DATABASE_URL",),
+            secret=True,
+            label="database URL",
+        ),
+        Setting(
+            "kafka_bootstrap_servers",
+            str,
+            help="host:port[,host:port] (check without --app)",
+            well_known=("KAFKA_BOOTSTRAP_SERVERS",),
+        ),
+        Setting(
+            "redis_url",
+            str,
+            help="redis://... (check without --app; unset: no Redis)",
+            well_known=("REDIS_URL",),
+            secret=True,
+        ),
+        Setting(
+            "older_than_s",
+            float,
+            help="Purge rows older than this (unset: the consumer's retention_s)",
+            unit="s",
+        ),
+    ],
+    old_prefix="LEDGERBOX_INBOX_",
+)
 
 
-def _settings(**given: Any) -> InboxSettings:
-    # Flags override the environment; None means "not given on the command line".
-    values = {k: v for k, v in given.items() if v is not None}
-    return InboxSettings(**values)
+def _require_app(values: Values) -> str:
+    app_ref: str | None = values["app"]
+    if app_ref is None:
+        CONSUMER_SETTINGS.fail(SettingsError("no consumer app (module:attribute)", setting="app"))
+    return app_ref
 
 
 def load_consumer(reference: str) -> InboxConsumer:
@@ -88,78 +116,54 @@ async def _run(consumer: InboxConsumer) -> None:
     await consumer.run()
 
 
-@app.command("run")
-def run_command(
-    app_ref: Annotated[
-        str | None, typer.Option("--app", help="module:attribute of an InboxConsumer or factory")
-    ] = None,
-    log_level: Annotated[str | None, typer.Option(help="logging level")] = None,
-    metrics_port: Annotated[
-        int | None, typer.Option(help="serve Prometheus metrics on this port")
-    ] = None,
-) -> None:
+@CONSUMER_SETTINGS.typer_command(app, "run", ["app", "log_level", "metrics_port"])
+def run_command(values: Values, ctx: typer.Context) -> None:
     """Run the consumer until SIGTERM/SIGINT; in-flight records finish, offsets commit."""
-    settings = _settings(app=app_ref, log_level=log_level, metrics_port=metrics_port)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
-    if settings.app is None:
-        raise typer.BadParameter("--app (or LEDGERBOX_INBOX_APP) is required")
-    consumer = load_consumer(settings.app)
-    if settings.metrics_port is not None:
+    configure_logging(CONSUMER_SETTINGS, values["log_level"])
+    consumer = load_consumer(_require_app(values))
+    if values["metrics_port"] is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(settings.metrics_port)
+        start_http_server(values["metrics_port"])
     asyncio.run(_run(consumer))
 
 
-@app.command("check")
-def check_command(
-    app_ref: Annotated[str | None, typer.Option("--app", help="module:attribute")] = None,
-    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL")] = None,
-    kafka_bootstrap_servers: Annotated[str | None, typer.Option(help="host:port")] = None,
-    redis_url: Annotated[str | None, typer.Option(help="redis://...")] = None,
-) -> None:
+@CONSUMER_SETTINGS.typer_command(
+    app, "check", ["app", "database_url", "kafka_bootstrap_servers", "redis_url"]
+)
+def check_command(values: Values, ctx: typer.Context) -> None:
     """Print ok / degraded / down; exit 0 / 1 / 2."""
-    settings = _settings(
-        app=app_ref,
-        database_url=database_url,
-        kafka_bootstrap_servers=kafka_bootstrap_servers,
-        redis_url=redis_url,
-    )
-    if settings.app is not None:
-        config = load_consumer(settings.app).config
+    if values["app"] is not None:
+        config = load_consumer(values["app"]).config
     else:
-        if settings.database_url is None or settings.kafka_bootstrap_servers is None:
-            raise typer.BadParameter("give --app, or --database-url and --kafka-bootstrap-servers")
+        for name in ("database_url", "kafka_bootstrap_servers"):
+            if values[name] is None:
+                CONSUMER_SETTINGS.fail(
+                    SettingsError(
+                        f"no {name} (give --app, or --database-url and --kafka-bootstrap-servers)",
+                        setting=name,
+                    )
+                )
         config = ConsumerConfig(
             group_id="ledgerbox-check",
             topics=["ledgerbox-check"],
-            database_url=settings.database_url,
-            kafka_bootstrap_servers=settings.kafka_bootstrap_servers,
-            redis_url=settings.redis_url,
+            database_url=values["database_url"],
+            kafka_bootstrap_servers=values["kafka_bootstrap_servers"],
+            redis_url=values["redis_url"],
         )
     state = asyncio.run(check_connectivity(config))
     typer.echo(state)
     raise typer.Exit(_EXIT[state])
 
 
-@app.command("purge")
-def purge_command(
-    app_ref: Annotated[str | None, typer.Option("--app", help="module:attribute")] = None,
-    older_than_s: Annotated[
-        float | None, typer.Option(help="age in seconds (default: the consumer's retention_s)")
-    ] = None,
-) -> None:
+@CONSUMER_SETTINGS.typer_command(app, "purge", ["app", "older_than_s"])
+def purge_command(values: Values, ctx: typer.Context) -> None:
     """Delete the consumer group's inbox rows older than the dedup window, in small batches."""
-    settings = _settings(app=app_ref)
-    if settings.app is None:
-        raise typer.BadParameter("--app (or LEDGERBOX_INBOX_APP) is required")
-    consumer = load_consumer(settings.app)
+    consumer = load_consumer(_require_app(values))
 
     async def purge() -> int:
         try:
-            return await consumer.purge(older_than_s)
+            return await consumer.purge(values["older_than_s"])
         finally:
             await consumer.aclose()
 

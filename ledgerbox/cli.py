@@ -6,17 +6,23 @@
     ledgerbox relay run|check|status  the outbox relay daemon
     ledgerbox consumer run|check|purge  an inbox consumer
 
-Every flag is mirrored by an environment variable (``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS``,
-``REDIS_URL``, ``LEDGERBOX_*``); ``check`` commands report health in their exit code.
+One naming scheme for every command (docs/configuration.md): setting ``field_name`` of
+``ledgerbox <command>`` has the flag ``--field-name`` and the environment variable
+``LEDGERBOX_<COMMAND>_FIELD_NAME`` (connection URLs also ``DATABASE_URL``,
+``KAFKA_BOOTSTRAP_SERVERS``, ``REDIS_URL``); ``check`` commands report health in their exit
+code.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 from typer.core import TyperGroup
+
+from ledgerbox._core.migrate_settings import MIGRATE_SETTINGS, NAME_SETTINGS
+from ledgerbox._core.settings import Values
 
 __all__ = ["app", "main"]
 
@@ -57,29 +63,28 @@ def _root() -> None:
     """ledgerbox: transactional outbox relay, inbox consumers and their operations."""
 
 
-@app.command()
-def migrate(
-    database_url: Annotated[
-        str, typer.Option(envvar="DATABASE_URL", help="SQLAlchemy URL (postgresql+psycopg://...)")
-    ],
-    schema: Annotated[str | None, typer.Option(envvar="LEDGERBOX_SCHEMA")] = None,
-    outbox_table: Annotated[str, typer.Option(envvar="LEDGERBOX_OUTBOX_TABLE")] = "outbox",
-    inbox_table: Annotated[str, typer.Option(envvar="LEDGERBOX_INBOX_TABLE")] = "inbox",
-    revision: Annotated[str, typer.Option(help="target Alembic revision")] = "head",
-) -> None:
+@MIGRATE_SETTINGS.typer_command(app, "migrate", list(MIGRATE_SETTINGS.settings))
+def migrate(values: Values, ctx: typer.Context) -> None:
     """Create or upgrade the outbox, inbox and relay tables (idempotent)."""
     from sqlalchemy.exc import SQLAlchemyError
 
     from ledgerbox import migrations
-    from ledgerbox._core.errors import LedgerboxError
+    from ledgerbox._core.errors import ConfigurationError, LedgerboxError
+    from ledgerbox._core.identifiers import sql_identifier
 
-    names = migrations.Names(schema=schema, outbox_table=outbox_table, inbox_table=inbox_table)
+    for name in NAME_SETTINGS:
+        if values[name] is not None:
+            try:
+                sql_identifier(values[name], name.replace("_", " "))
+            except ConfigurationError as exc:
+                MIGRATE_SETTINGS.fail(ConfigurationError(str(exc), setting=name), values)
+    names = migrations.Names(**{name: values[name] for name in NAME_SETTINGS})
     try:
-        migrations.upgrade_database(database_url, names, revision)
+        migrations.upgrade_database(values["database_url"], names, values["revision"])
     except (LedgerboxError, SQLAlchemyError) as exc:
         typer.echo(f"migrate failed: {type(exc).__name__}: {exc}", err=True)
         raise typer.Exit(2) from exc
-    typer.echo(f"ledgerbox tables at {revision} ({schema or 'search path'})")
+    typer.echo(f"ledgerbox tables at {values['revision']} ({names.schema or 'search path'})")
 
 
 def main() -> None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import sqlalchemy as sa
 
+from ledgerbox._core.migrate_settings import MIGRATE_SETTINGS, NAME_SETTINGS
 from ledgerbox.inbox._table import InboxTable
 from ledgerbox.outbox._table import OutboxTable
 from ledgerbox.relay._table import RelayTables
@@ -21,8 +21,9 @@ class Names:
 
     Read, in order of precedence, from Alembic ``-x`` arguments (``-x schema=app``,
     ``-x outbox_table=...``, ``-x inbox_table=...``), ``Config.attributes`` (key
-    ``"ledgerbox_names"``), then the environment (``LEDGERBOX_SCHEMA``,
-    ``LEDGERBOX_OUTBOX_TABLE``, ``LEDGERBOX_INBOX_TABLE``).
+    ``"ledgerbox_names"``), then the environment as ``ledgerbox migrate`` reads it
+    (``LEDGERBOX_MIGRATE_SCHEMA``, ``LEDGERBOX_MIGRATE_OUTBOX_TABLE``,
+    ``LEDGERBOX_MIGRATE_INBOX_TABLE``; the former ``LEDGERBOX_SCHEMA``, ... with a warning).
     """
 
     schema: str | None = None
@@ -32,15 +33,10 @@ class Names:
     @classmethod
     def resolve(cls, x_args: Mapping[str, str], attributes: Mapping[str, object]) -> Names:
         given = attributes.get("ledgerbox_names")
-        base = (
-            given
-            if isinstance(given, Names)
-            else cls(
-                schema=os.environ.get("LEDGERBOX_SCHEMA") or None,
-                outbox_table=os.environ.get("LEDGERBOX_OUTBOX_TABLE", "outbox"),
-                inbox_table=os.environ.get("LEDGERBOX_INBOX_TABLE", "inbox"),
-            )
-        )
+        if isinstance(given, Names):
+            base = given
+        else:
+            base = cls(**MIGRATE_SETTINGS.resolve(NAME_SETTINGS, {}))
         return cls(
             schema=x_args.get("schema", base.schema) or None,
             outbox_table=x_args.get("outbox_table", base.outbox_table),

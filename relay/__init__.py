@@ -7,8 +7,9 @@ Example
 >>> relay = Relay(config)
 >>> await relay.run()            # doctest: +SKIP  (until relay.stop())
 
-Run it as a daemon with ``ledgerbox relay run`` (see ``relay/_cli.py``). The read design is
-documented in ``relay._relay`` and ``docs/relay.md``.
+Run it as a daemon with ``ledgerbox relay run`` (``relay/_cli.py``; every setting in
+``docs/configuration.md``). The read design is documented in ``relay._relay`` and
+``docs/relay.md``.
 """
 
 if __name__ != "ledgerbox.relay":  # the repository folder is importable from its root too
@@ -22,6 +23,7 @@ from ledgerbox._core.lazy import lazy_exports
 if TYPE_CHECKING:
     from ledgerbox.relay._config import RelayConfig
     from ledgerbox.relay._errors import PublishError, RelayError, StoreError
+    from ledgerbox.relay._hooks import RelayHooks
     from ledgerbox.relay._publisher import KafkaPublisher, OutboundRecord, Publisher
     from ledgerbox.relay._relay import Relay
     from ledgerbox.relay._table import RelayTables
@@ -34,6 +36,7 @@ __all__ = [
     "Relay",
     "RelayConfig",
     "RelayError",
+    "RelayHooks",
     "RelayTables",
     "StoreError",
 ]
@@ -51,6 +54,7 @@ if not TYPE_CHECKING:  # type checkers see the imports above, so typos stay erro
             "Relay": "ledgerbox.relay._relay",
             "RelayConfig": "ledgerbox.relay._config",
             "RelayError": "ledgerbox.relay._errors",
+            "RelayHooks": "ledgerbox.relay._hooks",
             "RelayTables": "ledgerbox.relay._table",
             "StoreError": "ledgerbox.relay._errors",
         },

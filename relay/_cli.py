@@ -1,8 +1,12 @@
 """Command line of the relay: ``run``, ``check`` and ``status``.
 
-Every ``run`` flag is mirrored by an environment variable (``LEDGERBOX_RELAY_<FLAG>``, plus
-``DATABASE_URL`` and ``KAFKA_BOOTSTRAP_SERVERS``) through :class:`RelaySettings`; a flag given
-on the command line wins.
+Every :class:`RelayConfig` field is a setting (derived from the dataclass, so none can be
+missed): flag ``--field-name``, variable ``LEDGERBOX_RELAY_FIELD_NAME``; the URLs also read
+``DATABASE_URL`` and ``KAFKA_BOOTSTRAP_SERVERS`` (the prefixed one wins); a flag wins over the
+environment. ``--metrics-port`` and ``--log-level`` follow the same scheme. Renamed: the
+schema variable was ``LEDGERBOX_RELAY_DB_SCHEMA``, ``on_dead_letter`` was ``on_dead``
+(``LEDGERBOX_RELAY_ON_DEAD``, ``--on-dead``); the old names work for one release, with a
+warning. The mechanism: :mod:`ledgerbox._core.settings`; the table: docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -10,149 +14,78 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Annotated, Any
+from collections.abc import Sequence
 
 import typer
-from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ledgerbox._core.errors import LedgerboxError
-from ledgerbox.relay._config import Compression, OnDeadLetter, RelayConfig
+from ledgerbox._core.errors import ConfigurationError, LedgerboxError
+from ledgerbox._core.settings import (
+    CommandSettings,
+    Setting,
+    Values,
+    configure_logging,
+    settings_from_dataclass,
+)
+from ledgerbox.relay._config import RelayConfig
+from ledgerbox.relay._hooks import RelayHooks
+from ledgerbox.relay._pgstore import pg_store_factory
 from ledgerbox.relay._publisher import KafkaPublisher
 from ledgerbox.relay._relay import Relay
-from ledgerbox.relay._store import RelayStore
 
-__all__ = ["RelaySettings", "app", "main"]
+__all__ = ["RELAY_SETTINGS", "app", "main"]
 
 app = typer.Typer(help="ledgerbox relay: publish committed outbox events to Kafka.")
 
-
-class RelaySettings(BaseSettings):
-    """Relay settings from the environment (prefix ``LEDGERBOX_RELAY_``); see RelayConfig."""
-
-    model_config = SettingsConfigDict(env_prefix="LEDGERBOX_RELAY_", extra="ignore")
-
-    database_url: str = Field(
-        validation_alias=AliasChoices(
-            "LEDGERBOX_RELAY_DATABASE_URL", "DATABASE_URL", "database_url"
-        )
-    )
-    kafka_bootstrap_servers: str = Field(
-        default="127.0.0.1:9092",
-        validation_alias=AliasChoices(
-            "LEDGERBOX_RELAY_KAFKA_BOOTSTRAP_SERVERS",
-            "KAFKA_BOOTSTRAP_SERVERS",
-            "kafka_bootstrap_servers",
+#: Every setting of ``ledgerbox relay`` (the fields of RelayConfig, then the daemon's own).
+RELAY_SETTINGS = CommandSettings(
+    "relay",
+    [
+        *settings_from_dataclass(
+            RelayConfig,
+            database_url={"well_known": ("DATABASE_URL",), "secret": True, "label": "database URL"},
+            kafka_bootstrap_servers={
+                "well_known": ("KAFKA_BOOTSTRAP_SERVERS",),
+                "default": "127.0.0.1:9092",
+                "required": False,
+            },
+            schema={"old_env": ("LEDGERBOX_RELAY_DB_SCHEMA",)},
+            on_dead_letter={"old_env": ("LEDGERBOX_RELAY_ON_DEAD",), "old_flags": ("--on-dead",)},
         ),
-    )
-    outbox_table: str = "outbox"
-    db_schema: str | None = None
-    batch_size: int = 1000
-    lanes: int = 8
-    poll_interval_s: float = 1.0
-    lease_ttl_s: float = 5.0
-    heartbeat_interval_s: float = 1.0
-    compression: Compression = "lz4"
-    on_dead_letter: OnDeadLetter = "hold"
-    retention_s: float = 7 * 86400.0
-    relay_id: str | None = None
-    shard_count: int = 64
-    linger_ms: int = 0
-    metrics_port: int = 0
-    log_level: str = "INFO"
+        Setting(
+            "metrics_port", int, default=0, help="Serve Prometheus metrics on this port (0: off)"
+        ),
+        Setting("log_level", str, default="INFO", help="Logging level (DEBUG, INFO, WARNING)"),
+    ],
+)
 
-    def to_config(self) -> RelayConfig:
-        """The validated :class:`RelayConfig` (raises ``ledgerbox.ConfigurationError``)."""
-        return RelayConfig(
-            database_url=self.database_url,
-            kafka_bootstrap_servers=self.kafka_bootstrap_servers,
-            outbox_table=self.outbox_table,
-            schema=self.db_schema,
-            batch_size=self.batch_size,
-            lanes=self.lanes,
-            poll_interval_s=self.poll_interval_s,
-            lease_ttl_s=self.lease_ttl_s,
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            compression=self.compression,
-            on_dead_letter=self.on_dead_letter,
-            retention_s=self.retention_s,
-            relay_id=self.relay_id,
-            shard_count=self.shard_count,
-            linger_ms=self.linger_ms,
-        )
+_CONFIG_FIELDS = tuple(s.name for s in settings_from_dataclass(RelayConfig))
+_CONNECTION = ("database_url", "kafka_bootstrap_servers", "outbox_table", "schema")
 
 
-def _settings(**flags: Any) -> RelaySettings:
-    given = {k: v for k, v in flags.items() if v is not None}
+def _config(values: Values) -> RelayConfig:
+    """The validated config (unset fields: the settings' defaults); exit 2 with one line."""
+    merged = {**RELAY_SETTINGS.defaults(), **{k: v for k, v in values.items() if v is not None}}
+    given = {k: v for k, v in merged.items() if k in _CONFIG_FIELDS and v is not None}
     try:
-        return RelaySettings(**given)
-    except Exception as exc:  # pydantic ValidationError: a readable message, exit 2
-        typer.echo(f"invalid relay settings: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        return RelayConfig(**given)
+    except ConfigurationError as exc:
+        RELAY_SETTINGS.fail(exc, merged)
 
 
-_Url = Annotated[str | None, typer.Option(help="SQLAlchemy or libpq URL [env DATABASE_URL]")]
-_Kafka = Annotated[
-    str | None, typer.Option(help="host:port[,host:port] [env KAFKA_BOOTSTRAP_SERVERS]")
-]
-_Table = Annotated[str | None, typer.Option(help="outbox table [LEDGERBOX_RELAY_OUTBOX_TABLE]")]
-_Schema = Annotated[str | None, typer.Option("--schema", help="schema [LEDGERBOX_RELAY_DB_SCHEMA]")]
-
-
-@app.command()
-def run(
-    database_url: _Url = None,
-    kafka_bootstrap_servers: _Kafka = None,
-    outbox_table: _Table = None,
-    schema: _Schema = None,
-    batch_size: Annotated[int | None, typer.Option(help="events per batch")] = None,
-    lanes: Annotated[int | None, typer.Option(help="concurrent pipelines, 1..64")] = None,
-    poll_interval_s: Annotated[float | None, typer.Option(help="polling fallback, s")] = None,
-    lease_ttl_s: Annotated[float | None, typer.Option(help="shard lease TTL, s")] = None,
-    heartbeat_interval_s: Annotated[float | None, typer.Option(help="heartbeat, s")] = None,
-    compression: Annotated[str | None, typer.Option(help="lz4|zstd|gzip|snappy|none")] = None,
-    on_dead_letter: Annotated[str | None, typer.Option(help="hold|skip")] = None,
-    retention_s: Annotated[float | None, typer.Option(help="keep published rows, s")] = None,
-    relay_id: Annotated[str | None, typer.Option(help="name in the lease table")] = None,
-    shard_count: Annotated[int | None, typer.Option(help="must match the writers")] = None,
-    linger_ms: Annotated[int | None, typer.Option(help="producer linger, ms")] = None,
-    metrics_port: Annotated[int | None, typer.Option(help="Prometheus port, 0 = off")] = None,
-    log_level: Annotated[str | None, typer.Option(help="DEBUG|INFO|WARNING")] = None,
-) -> None:
+@RELAY_SETTINGS.typer_command(app, "run", [*_CONFIG_FIELDS, "metrics_port", "log_level"])
+def run(values: Values, ctx: typer.Context) -> None:
     """Run the relay until SIGTERM or SIGINT; exit 0 after a clean shutdown."""
-    settings = _settings(
-        database_url=database_url,
-        kafka_bootstrap_servers=kafka_bootstrap_servers,
-        outbox_table=outbox_table,
-        db_schema=schema,
-        batch_size=batch_size,
-        lanes=lanes,
-        poll_interval_s=poll_interval_s,
-        lease_ttl_s=lease_ttl_s,
-        heartbeat_interval_s=heartbeat_interval_s,
-        compression=compression,
-        on_dead_letter=on_dead_letter,
-        retention_s=retention_s,
-        relay_id=relay_id,
-        shard_count=shard_count,
-        linger_ms=linger_ms,
-        metrics_port=metrics_port,
-        log_level=log_level,
-    )
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
-    config = _config(settings)
-    if settings.metrics_port:
+    configure_logging(RELAY_SETTINGS, values["log_level"])
+    config = _config(values)
+    if values["metrics_port"]:
         from prometheus_client import start_http_server
 
-        start_http_server(settings.metrics_port)
-    asyncio.run(_run(config))
+        start_http_server(values["metrics_port"])
+    asyncio.run(_run(config, ctx.find_object(RelayHooks)))
 
 
-async def _run(config: RelayConfig) -> None:
-    relay = Relay(config)
+async def _run(config: RelayConfig, hooks: RelayHooks | None) -> None:
+    relay = Relay(config, hooks=hooks)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, relay.stop)
@@ -161,35 +94,16 @@ async def _run(config: RelayConfig) -> None:
     logging.getLogger("ledgerbox.relay").info("relay %s stopped", config.member_id)
 
 
-def _config(settings: RelaySettings) -> RelayConfig:
-    try:
-        return settings.to_config()
-    except LedgerboxError as exc:
-        typer.echo(f"invalid relay settings: {exc}", err=True)
-        raise typer.Exit(2) from exc
-
-
-@app.command()
-def check(
-    database_url: _Url = None,
-    kafka_bootstrap_servers: _Kafka = None,
-    outbox_table: _Table = None,
-    schema: _Schema = None,
-) -> None:
+@RELAY_SETTINGS.typer_command(app, "check", _CONNECTION)
+def check(values: Values, ctx: typer.Context) -> None:
     """Health: exit 0 if PostgreSQL and Kafka answer, 1 otherwise (one line of output)."""
-    settings = _settings(
-        database_url=database_url,
-        kafka_bootstrap_servers=kafka_bootstrap_servers,
-        outbox_table=outbox_table,
-        db_schema=schema,
-    )
-    ok, line = asyncio.run(_check(_config(settings)))
+    ok, line = asyncio.run(_check(_config(values)))
     typer.echo(line)
     raise typer.Exit(0 if ok else 1)
 
 
 async def _check(config: RelayConfig) -> tuple[bool, str]:
-    store = RelayStore(config, "check")
+    store = pg_store_factory(config)("check")
     db = "ok"
     try:
         await asyncio.wait_for(store.ping(), 10)
@@ -209,24 +123,15 @@ async def _check(config: RelayConfig) -> tuple[bool, str]:
     return healthy, f"relay {'ok' if healthy else 'unhealthy'}: database {db}, kafka {kafka}"
 
 
-@app.command()
-def status(
-    database_url: _Url = None,
-    outbox_table: _Table = None,
-    schema: _Schema = None,
-    shard_count: Annotated[int | None, typer.Option(help="must match the writers")] = None,
-) -> None:
+@RELAY_SETTINGS.typer_command(
+    app, "status", ["database_url", "outbox_table", "schema", "shard_count"]
+)
+def status(values: Values, ctx: typer.Context) -> None:
     """Pending count, oldest pending age, dead count and the shard owners."""
-    settings = _settings(
-        database_url=database_url,
-        outbox_table=outbox_table,
-        db_schema=schema,
-        shard_count=shard_count,
-    )
-    config = _config(settings)
+    config = _config(values)
 
     async def read() -> None:
-        store = RelayStore(config, "status")
+        store = pg_store_factory(config)("status")
         try:
             stats = await store.stats(config.shard_count)
         finally:
@@ -267,6 +172,15 @@ def _ranges(values: list[int]) -> str:
     return f"{','.join(parts)} ({len(values)})"
 
 
-def main() -> None:
-    """Entry point of ``python -m ledgerbox.relay``."""
-    app()
+def main(argv: Sequence[str] | None = None, *, hooks: RelayHooks | None = None) -> None:
+    """Entry point of ``python -m ledgerbox.relay``.
+
+    Parameters
+    ----------
+    argv : Sequence[str] | None
+        Arguments (default: ``sys.argv[1:]``).
+    hooks : RelayHooks | None
+        Test-only: handed to the :class:`Relay` of ``run`` (a test entry point under
+        ``tests/`` builds them; production never passes any).
+    """
+    app(args=list(argv) if argv is not None else None, obj=hooks)

@@ -18,6 +18,7 @@ Compression = Literal["lz4", "zstd", "gzip", "snappy", "none"]
 OnDeadLetter = Literal["hold", "skip"]
 
 _COMPRESSIONS = ("lz4", "zstd", "gzip", "snappy", "none")
+_ON_DEAD_LETTER = ("hold", "skip")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +31,10 @@ class RelayConfig:
         SQLAlchemy form (``postgresql+psycopg://...``) or plain libpq form (``postgresql://``).
     kafka_bootstrap_servers : str
         ``host:port[,host:port]``.
-    outbox_table, schema : str, str | None
-        The outbox table and its schema (``None``: the search path); SQL identifiers.
+    outbox_table : str
+        The outbox table (default ``outbox``); a SQL identifier.
+    schema : str | None
+        Schema of the outbox table (``None``: the search path); a SQL identifier.
     batch_size : int
         Most events claimed, published and marked per batch (default 1000).
     lanes : int
@@ -69,16 +72,22 @@ class RelayConfig:
     producer_batch_bytes : int
         Producer ``max_batch_size`` per partition, in bytes (default 256 KiB).
     request_timeout_ms : int
-        Producer request timeout, in milliseconds: a send not confirmed by then failed.
-    cleanup_interval_s, cleanup_batch_size, cleanup_pause_s : float, int, float
-        Leader's cleanup: pause between runs (s), rows per DELETE, pause between DELETEs (s).
+        Producer request timeout, in milliseconds: a send not confirmed by then failed
+        (default 30,000).
+    cleanup_interval_s : float
+        Pause between two cleanups of published rows by the leader, in seconds (default 60).
+    cleanup_batch_size : int
+        Rows per cleanup ``DELETE`` (default 1000, 1..100000).
+    cleanup_pause_s : float
+        Pause between two cleanup ``DELETE`` statements, in seconds (default 0.05).
     backoff_max_s : float
         Ceiling of the retry backoff, in seconds (default 10).
 
     Raises
     ------
     ledgerbox.ConfigurationError
-        If a value is out of range or a name is not a SQL identifier.
+        If a value is out of range or a name is not a SQL identifier; its ``setting`` names
+        the field.
     """
 
     database_url: str
@@ -105,34 +114,33 @@ class RelayConfig:
     _resolved_id: str = field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
-        if not self.database_url:
-            raise ConfigurationError("database_url must not be empty")
-        if not self.kafka_bootstrap_servers:
-            raise ConfigurationError("kafka_bootstrap_servers must not be empty")
-        sql_identifier(self.outbox_table, "outbox table name")
+        _check(bool(self.database_url), "database_url", "must not be empty")
+        _check(bool(self.kafka_bootstrap_servers), "kafka_bootstrap_servers", "must not be empty")
+        _identifier(self.outbox_table, "outbox_table", "outbox table name")
         if self.schema is not None:
-            sql_identifier(self.schema, "schema")
-        _check(1 <= self.batch_size <= 100_000, "batch_size must be in 1..100000")
-        _check(1 <= self.lanes <= 64, "lanes must be in 1..64")
-        _check(self.poll_interval_s > 0, "poll_interval_s must be > 0")
-        _check(self.lease_ttl_s > 0, "lease_ttl_s must be > 0")
+            _identifier(self.schema, "schema", "schema")
+        _check(1 <= self.batch_size <= 100_000, "batch_size", "must be in 1..100000")
+        _check(1 <= self.lanes <= 64, "lanes", "must be in 1..64")
+        _check(self.poll_interval_s > 0, "poll_interval_s", "must be > 0")
+        _check(self.lease_ttl_s > 0, "lease_ttl_s", "must be > 0")
         _check(
             0 < self.heartbeat_interval_s <= self.lease_ttl_s / 2,
-            "heartbeat_interval_s must be in (0, lease_ttl_s / 2]",
+            "heartbeat_interval_s",
+            "must be in (0, lease_ttl_s / 2]",
         )
-        _check(self.compression in _COMPRESSIONS, f"compression must be one of {_COMPRESSIONS}")
-        _check(self.on_dead_letter in ("hold", "skip"), "on_dead_letter must be 'hold' or 'skip'")
-        _check(self.retention_s >= 0, "retention_s must be >= 0")
-        _check(1 <= self.shard_count <= 32767, "shard_count must be in 1..32767")
-        _check(0 <= self.linger_ms <= 10_000, "linger_ms must be in 0..10000")
-        _check(self.producer_batch_bytes >= 1024, "producer_batch_bytes must be >= 1024")
-        _check(self.request_timeout_ms >= 1000, "request_timeout_ms must be >= 1000")
-        _check(self.cleanup_interval_s > 0, "cleanup_interval_s must be > 0")
-        _check(1 <= self.cleanup_batch_size <= 100_000, "cleanup_batch_size must be 1..100000")
-        _check(self.cleanup_pause_s >= 0, "cleanup_pause_s must be >= 0")
-        _check(self.backoff_max_s >= 0.1, "backoff_max_s must be >= 0.1")
+        _check(self.compression in _COMPRESSIONS, "compression", f"must be one of {_COMPRESSIONS}")
+        _check(self.on_dead_letter in _ON_DEAD_LETTER, "on_dead_letter", "must be 'hold' or 'skip'")
+        _check(self.retention_s >= 0, "retention_s", "must be >= 0")
+        _check(1 <= self.shard_count <= 32767, "shard_count", "must be in 1..32767")
+        _check(0 <= self.linger_ms <= 10_000, "linger_ms", "must be in 0..10000")
+        _check(self.producer_batch_bytes >= 1024, "producer_batch_bytes", "must be >= 1024")
+        _check(self.request_timeout_ms >= 1000, "request_timeout_ms", "must be >= 1000")
+        _check(self.cleanup_interval_s > 0, "cleanup_interval_s", "must be > 0")
+        _check(1 <= self.cleanup_batch_size <= 100_000, "cleanup_batch_size", "must be 1..100000")
+        _check(self.cleanup_pause_s >= 0, "cleanup_pause_s", "must be >= 0")
+        _check(self.backoff_max_s >= 0.1, "backoff_max_s", "must be >= 0.1")
         if self.relay_id is not None:
-            _check(0 < len(self.relay_id) <= 200, "relay_id must have 1..200 characters")
+            _check(0 < len(self.relay_id) <= 200, "relay_id", "must have 1..200 characters")
         resolved = self.relay_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         object.__setattr__(self, "_resolved_id", resolved)
 
@@ -148,6 +156,13 @@ class RelayConfig:
         return f"{scheme.split('+', 1)[0]}{sep}{rest}"
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, setting: str, rule: str) -> None:
     if not ok:
-        raise ConfigurationError(message)
+        raise ConfigurationError(f"{setting} {rule}", setting=setting)
+
+
+def _identifier(value: str, setting: str, what: str) -> None:
+    try:
+        sql_identifier(value, what)
+    except ConfigurationError as exc:
+        raise ConfigurationError(str(exc), setting=setting) from None

@@ -1,4 +1,4 @@
-"""Pure policy of the relay: fair share, lease bookkeeping, error classes, on-dead rule.
+"""Pure policy of the relay: fair share, lease bookkeeping, error classes, hold rule.
 
 No clock and no I/O: callers pass monotonic times in. Unit-tested in
 ``tests/unit/test_relay_policy.py``.
@@ -17,6 +17,7 @@ __all__ = [
     "LEADER_SHARD",
     "Lease",
     "LeaseBook",
+    "failure_reason",
     "fair_share",
     "held_behind_dead_letter",
     "publish_fault",
@@ -34,6 +35,15 @@ def publish_fault(exc: BaseException) -> Fault:
     "message" would dead-letter a good event.
     """
     return exc.fault if isinstance(exc, BrokerError) else Fault.TRANSIENT
+
+
+def failure_reason(exc: BaseException) -> str:
+    """``"<kind>: <message>"`` of a failed call, for logs and a dead-lettered row's
+    ``last_error``: a translated Kafka error is named by the client's class (e.g.
+    ``MessageSizeTooLargeError``), anything else by its own class."""
+    name = exc.kind if isinstance(exc, BrokerError) else type(exc).__name__
+    text = str(exc)
+    return f"{name}: {text}" if text else name
 
 
 def fair_share(shard_count: int, live_members: int) -> int:

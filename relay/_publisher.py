@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -24,13 +23,9 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from ledgerbox._core.faults import Fault
 from ledgerbox.relay._errors import PublishError
 
-__all__ = ["TEST_SEND_DELAY_ENV", "KafkaPublisher", "OutboundRecord", "Publisher"]
+__all__ = ["KafkaPublisher", "OutboundRecord", "Publisher"]
 
 log = logging.getLogger("ledgerbox.relay.publisher")
-
-#: TEST-ONLY hook: delay the FIRST send of the process by this many milliseconds (fault case
-#: C03 uses it to widen the race window). Never set it in production.
-TEST_SEND_DELAY_ENV = "LEDGERBOX_RELAY_TEST_SEND_DELAY_MS"
 
 _MAX_REQUEST_BYTES = 1_048_576  # aiokafka's max_request_size default, Kafka's message.max.bytes
 
@@ -167,7 +162,6 @@ class KafkaPublisher:
             "request_timeout_ms": request_timeout_ms,
         }
         self._producer: AIOKafkaProducer | None = None
-        self._delay_ms = int(os.environ.get(TEST_SEND_DELAY_ENV, "0") or 0)
 
     async def start(self) -> None:
         producer = AIOKafkaProducer(**self._kwargs)
@@ -208,9 +202,6 @@ class KafkaPublisher:
             await self.start()
         producer = self._producer
         assert producer is not None
-        if self._delay_ms:
-            delay_ms, self._delay_ms = self._delay_ms, 0
-            await asyncio.sleep(delay_ms / 1000)
         futures: list[Awaitable[Any] | None] = [None] * len(records)
         open_batches: dict[tuple[str, int], tuple[Any, list[int]]] = {}
         partitions: dict[str, list[int]] = {}

@@ -1,11 +1,14 @@
-"""Test helpers for users of ``relay``: an in-memory :class:`relay.Publisher`.
+"""Test helpers for users of ``relay``: an in-memory :class:`relay.Publisher` and an
+in-memory relay store (:class:`InMemoryRelayStore`, the rules of the SQL store without
+PostgreSQL).
 
 Example
 -------
->>> publisher = InMemoryPublisher()
->>> relay = Relay(config, publisher=publisher)               # doctest: +SKIP
->>> await relay.run_once()                                    # doctest: +SKIP
->>> [r.key for r in publisher.records]                       # doctest: +SKIP
+>>> publisher, store = InMemoryPublisher(), InMemoryRelayStore(config.member_id)
+>>> relay = Relay(config, publisher=publisher, store_factory=store.factory())  # doctest: +SKIP
+>>> store.add(event)                                                            # doctest: +SKIP
+>>> await relay.run_once()                                                      # doctest: +SKIP
+>>> [r.key for r in publisher.records]                                          # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from ledgerbox.relay._errors import PublishError
+from ledgerbox.relay._memstore import InMemoryRelayStore
 from ledgerbox.relay._publisher import OutboundRecord
 
-__all__ = ["InMemoryPublisher"]
+__all__ = ["InMemoryPublisher", "InMemoryRelayStore"]
 
 
 class InMemoryPublisher:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,69 @@ from sqlalchemy.orm import Session
 
 from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter
 from ledgerbox.relay import RelayConfig
+from ledgerbox.relay._store import ClaimedEvent, RelayStats, RelayStore
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class DelegatingStore:
+    """A :class:`RelayStore` that hands every call to ``inner`` (a real store): tests
+    subclass it and override the one method whose fault they inject."""
+
+    def __init__(self, inner: RelayStore) -> None:
+        self.inner = inner
+
+    async def ensure_leases(self, shard_count: int) -> None:
+        await self.inner.ensure_leases(shard_count)
+
+    async def heartbeat(self, ttl_s: float) -> int:
+        return await self.inner.heartbeat(ttl_s)
+
+    async def renew_shards(
+        self, held: Sequence[tuple[int, int]], ttl_s: float
+    ) -> list[tuple[int, int]]:
+        return await self.inner.renew_shards(held, ttl_s)
+
+    async def acquire_shards(
+        self, want: int, ttl_s: float, *, lo: int, hi: int
+    ) -> list[tuple[int, int]]:
+        return await self.inner.acquire_shards(want, ttl_s, lo=lo, hi=hi)
+
+    async def release_shards(self, held: Sequence[tuple[int, int]]) -> int:
+        return await self.inner.release_shards(held)
+
+    async def leave(self) -> None:
+        await self.inner.leave()
+
+    async def claim_batch(
+        self, shards: Sequence[int], limit: int, *, hold: bool, exclude: Sequence[int] = ()
+    ) -> list[ClaimedEvent]:
+        return await self.inner.claim_batch(shards, limit, hold=hold, exclude=exclude)
+
+    async def mark_published(self, ids: Sequence[int], fences: Sequence[tuple[int, int]]) -> int:
+        return await self.inner.mark_published(ids, fences)
+
+    async def mark_dead_lettered(self, event_id: int, shard_fence: int, error: str) -> int:
+        return await self.inner.mark_dead_lettered(event_id, shard_fence, error)
+
+    async def cleanup_published(self, retention_s: float, limit: int) -> int:
+        return await self.inner.cleanup_published(retention_s, limit)
+
+    async def cleanup_members(self) -> int:
+        return await self.inner.cleanup_members()
+
+    async def stats(self, shard_count: int) -> RelayStats:
+        return await self.inner.stats(shard_count)
+
+    async def ping(self) -> None:
+        await self.inner.ping()
+
+    async def notifications(self) -> AsyncIterator[None]:
+        async for item in self.inner.notifications():
+            yield item
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 def writer_for(topic: str, source: str = "/relay-tests") -> OutboxWriter:
@@ -116,9 +177,19 @@ async def consume(
 
 
 def relay_process(
-    database_url: str, kafka: str, *args: str, env: dict[str, str] | None = None
+    database_url: str,
+    kafka: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    hooks: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
-    """Start ``python -m ledgerbox.relay run`` (the real CLI) in a subprocess."""
+    """Start ``python -m ledgerbox.relay run`` (the real CLI) in a subprocess.
+
+    ``hooks``: options of the TEST-ONLY entry point ``tests.relay_entry`` (e.g.
+    ``("--mark-delay-ms", "10000")``); given, the relay CLI runs through it with those
+    :class:`ledgerbox.relay.RelayHooks`.
+    """
+    entry = ["tests.relay_entry", *hooks, "--"] if hooks else ["ledgerbox.relay"]
     full_env = {
         **os.environ,
         "DATABASE_URL": database_url,
@@ -129,7 +200,7 @@ def relay_process(
         **(env or {}),
     }
     return subprocess.Popen(
-        [sys.executable, "-m", "ledgerbox.relay", "run", *args],
+        [sys.executable, "-m", *entry, "run", *args],
         cwd=REPO_ROOT,
         env=full_env,
         stdout=subprocess.DEVNULL,

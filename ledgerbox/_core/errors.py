@@ -50,9 +50,20 @@ class LedgerboxError(Exception):
 
 
 class ConfigurationError(LedgerboxError, ValueError):
-    """A configuration value is invalid (e.g. a table name that is not a SQL identifier)."""
+    """A configuration value is invalid (e.g. a table name that is not a SQL identifier).
+
+    Attributes
+    ----------
+    setting : str | None
+        The setting (config field) at fault, e.g. ``"batch_size"``, when one is; the command
+        line names its flag and environment variables from it (docs/configuration.md).
+    """
 
     __module__ = "ledgerbox"
+
+    def __init__(self, message: str, *, setting: str | None = None) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 class DatabaseError(LedgerboxError):

@@ -15,7 +15,7 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -26,9 +26,11 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from ledgerbox._core.faults import Fault
-from ledgerbox.relay import Relay, StoreError
-from ledgerbox.relay._store import CLAIM_BATCH_HOLD, RelayStore
+from ledgerbox.relay import Relay, RelayConfig, StoreError
+from ledgerbox.relay._pgstore import CLAIM_BATCH_HOLD, PgRelayStore, pg_store_factory
+from ledgerbox.relay._store import RelayStore, StoreFactory
 from tests import _relay_support as rs
+from tests._relay_support import DelegatingStore
 from tests._services import TopicFactory
 
 Records = list[ConsumerRecord[bytes, bytes]]
@@ -143,14 +145,10 @@ async def test_c02_relay_killed_after_first_batch_loses_nothing(
     writer = rs.writer_for(topic)
     events = [rs.event(writer, "order-2", i) for i in (1, 2, 3)]
     rs.stage(engine, writer, events)  # one transaction, one now()
-    # TEST-ONLY hook: 10 s between "Kafka confirmed" and "mark published", so SIGKILL lands
-    # after the first batch was sent and before it was marked.
+    # TEST-ONLY hook (RelayHooks.after_confirm): 10 s between "Kafka confirmed" and "mark
+    # published", so SIGKILL lands after the first batch was sent and before it was marked.
     proc = rs.relay_process(
-        database_url,
-        kafka_bootstrap,
-        "--batch-size",
-        "2",
-        env={"LEDGERBOX_RELAY_TEST_MARK_DELAY_MS": "10000"},
+        database_url, kafka_bootstrap, "--batch-size", "2", hooks=("--mark-delay-ms", "10000")
     )
     try:
         first = await rs.consume(kafka_bootstrap, topic, until=lambda r: len(r) >= 2)
@@ -191,10 +189,16 @@ async def test_c03_two_relays_keep_aggregate_order(
     e1, e2 = rs.event(writer, "agg-A", 1), rs.event(writer, "agg-A", 2)
     rs.stage(engine, writer, [e1])
     rs.stage(engine, writer, [e2])
-    env = {"LEDGERBOX_RELAY_TEST_SEND_DELAY_MS": "200"}  # TEST-ONLY: first send delayed
+    hooks = ("--send-delay-ms", "200")  # TEST-ONLY (RelayHooks.before_first_send)
     procs = [
         rs.relay_process(
-            database_url, kafka_bootstrap, "--batch-size", "1", "--relay-id", f"c03-{i}", env=env
+            database_url,
+            kafka_bootstrap,
+            "--batch-size",
+            "1",
+            "--relay-id",
+            f"c03-{i}",
+            hooks=hooks,
         )
         for i in (1, 2)
     ]
@@ -238,20 +242,38 @@ async def test_c03_two_relays_keep_aggregate_order(
 # --------------------------------------------------------------------------- C04
 
 
-class _FlakyMarkStore(RelayStore):
-    """Store seam with an injected fault: mark_published fails ``failures`` times."""
+class _MarkFault:
+    """Injected fault shared by every mark store of one relay: ``mark_published`` fails
+    ``failures`` times (on whichever lane), then goes through."""
 
-    def __init__(self, *args: Any, failures: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, failures: int) -> None:
         self.failures = failures
         self.calls = 0
 
-    async def mark_published(self, ids: Any, fences: Any) -> int:
-        self.calls += 1
-        if self.failures > 0:
-            self.failures -= 1
+    def factory(self, config: RelayConfig) -> StoreFactory:
+        """Real PostgreSQL stores for every role; the mark stores wrapped with the fault."""
+        real = pg_store_factory(config)
+
+        def build(role: str) -> RelayStore:
+            store = real(role)
+            return _FlakyMarkStore(store, self) if role.startswith("mark") else store
+
+        return build
+
+
+class _FlakyMarkStore(DelegatingStore):
+    """A real store whose ``mark_published`` fails while the shared fault says so."""
+
+    def __init__(self, inner: RelayStore, fault: _MarkFault) -> None:
+        super().__init__(inner)
+        self.fault = fault
+
+    async def mark_published(self, ids: Sequence[int], fences: Sequence[tuple[int, int]]) -> int:
+        self.fault.calls += 1
+        if self.fault.failures > 0:
+            self.fault.failures -= 1
             raise StoreError("injected: connection lost", sqlstate="08006", fault=Fault.ENVIRONMENT)
-        return await super().mark_published(ids, fences)
+        return await self.inner.mark_published(ids, fences)
 
 
 def _metric(name: str, labels: dict[str, str] | None = None) -> float:
@@ -268,17 +290,17 @@ async def test_c04_mark_fails_three_times_after_send(
     rs.stage(engine, writer, [e1])
     config = rs.config(database_url, kafka_bootstrap)
     before = _metric("ledgerbox_relay_retries_total", {"stage": "mark"})
-    store = _FlakyMarkStore(config, "main", failures=3)
-    relay = Relay(config, store=store)
+    fault = _MarkFault(failures=3)
+    relay = Relay(config, store_factory=fault.factory(config))
     async with _running(relay):
         await _until(lambda: rs.pending_count(engine) == 0, 60, "E1 marked after the fault")
-    assert store.calls == 4
+    assert fault.calls == 4
     assert _metric("ledgerbox_relay_retries_total", {"stage": "mark"}) - before == 3
 
     # The process dies while marking keeps failing: the next relay sends E1 again.
     e2 = rs.event(writer, "pay-1", 2)
     rs.stage(engine, writer, [e2])
-    dying = Relay(config, store=_FlakyMarkStore(config, "main", failures=10**6))
+    dying = Relay(config, store_factory=_MarkFault(failures=10**6).factory(config))
     task = asyncio.create_task(dying.run())
     await rs.consume(kafka_bootstrap, topic, until=lambda r: str(e2.event_id) in _ids(r))
     task.cancel()  # crash: no mark, no release
@@ -514,7 +536,7 @@ async def test_c14_cleanup_bounded_batches_never_deletes_pending(
         )
         conn.execute(text("ANALYZE outbox"))
     config = rs.config(database_url, "unused:9092", cleanup_batch_size=1000)
-    store = RelayStore(config, "test")
+    store = PgRelayStore(config, "test")
     try:
         # The pending-events query uses the partial index.
         pg = await store._connection()

@@ -18,7 +18,11 @@ def free_port() -> int:
 
 
 def check(*args: str) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LEDGERBOX_INBOX_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("LEDGERBOX_CONSUMER_", "LEDGERBOX_INBOX_"))
+    }
     done = subprocess.run(
         [sys.executable, "-m", "ledgerbox.inbox", "check", *args],
         cwd=REPO,

@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from sqlalchemy import Engine, text
 
 from ledgerbox.outbox import shard_of
-from ledgerbox.relay import Relay
+from ledgerbox.relay import Relay, RelayConfig
+from ledgerbox.relay._pgstore import pg_store_factory
 from ledgerbox.relay._store import ClaimedEvent, RelayStore
 from ledgerbox.relay.testing import InMemoryPublisher
 from tests import _relay_support as rs
+from tests._relay_support import DelegatingStore
 from tests._services import TopicFactory, poll_until
 
 LANES = 4
@@ -165,22 +167,30 @@ async def test_lanes_follow_the_load_and_keep_key_order(engine: Engine, database
         assert seqs == list(range(1, 26)), key
 
 
-class _HeldClaimStore(RelayStore):
+class _HeldClaimStore(DelegatingStore):
     """Store seam whose second claim (the prefetch) waits until the test releases it."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, inner: RelayStore) -> None:
+        super().__init__(inner)
         self.claims = 0
         self.prefetch_started = asyncio.Event()
         self.release = asyncio.Event()
 
-    async def claim_batch(self, *args: Any, **kwargs: Any) -> list[ClaimedEvent]:
+    async def claim_batch(
+        self, shards: Sequence[int], limit: int, *, hold: bool, exclude: Sequence[int] = ()
+    ) -> list[ClaimedEvent]:
         self.claims += 1
         if self.claims == 2:
             self.prefetch_started.set()
             await self.release.wait()
             return []
-        return await super().claim_batch(*args, **kwargs)
+        return await super().claim_batch(shards, limit, hold=hold, exclude=exclude)
+
+
+def _factory(config: RelayConfig, role: str, store: Callable[[RelayStore], RelayStore]) -> Any:
+    """Real PostgreSQL stores for every role; the store of ``role`` wrapped by ``store``."""
+    real = pg_store_factory(config)
+    return lambda r: store(real(r)) if r == role else real(r)
 
 
 async def test_stop_during_an_empty_prefetch_does_not_wait_for_the_poll(
@@ -193,8 +203,16 @@ async def test_stop_during_an_empty_prefetch_does_not_wait_for_the_poll(
     writer = rs.writer_for("relay-lanes-stop")
     rs.stage(engine, writer, [rs.event(writer, "k", 1)])
     config = rs.config(database_url, "unused:9092", lanes=1, poll_interval_s=60.0)
-    store = _HeldClaimStore(config, "main")
-    relay = Relay(config, publisher=InMemoryPublisher(), store=store)
+    held: list[_HeldClaimStore] = []
+
+    def hold_claims(inner: RelayStore) -> RelayStore:
+        held.append(_HeldClaimStore(inner))
+        return held[-1]
+
+    relay = Relay(
+        config, publisher=InMemoryPublisher(), store_factory=_factory(config, "main", hold_claims)
+    )
+    (store,) = held  # lanes=1: the one lane's claim store
     task = asyncio.create_task(relay.run())
     try:
         await asyncio.wait_for(store.prefetch_started.wait(), 30)
@@ -209,11 +227,11 @@ async def test_stop_during_an_empty_prefetch_does_not_wait_for_the_poll(
     assert store.claims == 2, "no claim after the stop"
 
 
-class _LateListenStore(RelayStore):
+class _LateListenStore(DelegatingStore):
     """LISTEN connection that becomes active only when the test says so."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, inner: RelayStore) -> None:
+        super().__init__(inner)
         self.go = asyncio.Event()
 
     async def notifications(self) -> AsyncIterator[None]:
@@ -231,9 +249,16 @@ async def test_a_commit_before_listen_is_active_is_claimed_once_it_is(
     writer = rs.writer_for("relay-lanes-listen")
     config = rs.config(database_url, "unused:9092", lanes=1, poll_interval_s=60.0)
     publisher = InMemoryPublisher()
-    relay = Relay(config, publisher=publisher)
-    listen = _LateListenStore(config, "listen")
-    relay._listen_store = listen
+    late: list[_LateListenStore] = []
+
+    def listen_late(inner: RelayStore) -> RelayStore:
+        late.append(_LateListenStore(inner))
+        return late[-1]
+
+    relay = Relay(
+        config, publisher=publisher, store_factory=_factory(config, "listen", listen_late)
+    )
+    (listen,) = late
     task = asyncio.create_task(relay.run())
     try:
 

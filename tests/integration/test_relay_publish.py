@@ -11,8 +11,8 @@ from sqlalchemy import Engine, text
 
 from ledgerbox.outbox import envelope_from_kafka, kafka_headers, timestamp_ms
 from ledgerbox.relay import Relay
-from ledgerbox.relay._relay import to_record
-from ledgerbox.relay._store import RelayStore
+from ledgerbox.relay._pgstore import PgRelayStore
+from ledgerbox.relay._record import to_record
 from ledgerbox.relay.testing import InMemoryPublisher
 from tests import _relay_support as rs
 from tests._services import TopicFactory
@@ -156,7 +156,7 @@ async def test_claimed_record_is_byte_identical_to_kafka_headers(
     ]
     rs.stage(engine, writer, events)
     config = rs.config(database_url, kafka_bootstrap)
-    store = RelayStore(config)
+    store = PgRelayStore(config)
     try:
         claimed = await store.claim_batch(list(range(config.shard_count)), 100, hold=True)
     finally:

@@ -52,10 +52,11 @@ PUBLIC: dict[str, list[str]] = {
         "Relay",
         "RelayConfig",
         "RelayError",
+        "RelayHooks",
         "RelayTables",
         "StoreError",
     ],
-    "ledgerbox.relay.testing": ["InMemoryPublisher"],
+    "ledgerbox.relay.testing": ["InMemoryPublisher", "InMemoryRelayStore"],
     "ledgerbox.inbox": [
         "AggregateLock",
         "ConsumerConfig",

@@ -191,32 +191,3 @@ def test_kafka_publisher_precheck_refuses_records_above_max_request_size() -> No
     assert pub.precheck(small) is None
     refused = pub.precheck(huge)
     assert refused is not None and refused.fault is Fault.MESSAGE
-
-
-def test_lane_count_has_hysteresis_so_a_steady_load_does_not_flip_it() -> None:
-    """Up when one lane's claim is full; down only after 2 s in which no lane claimed more
-    than half a batch's share (a steady load between the two keeps its lane count)."""
-    from ledgerbox.relay import Relay
-    from ledgerbox.relay.testing import InMemoryPublisher
-
-    now = [0.0]
-    config = RelayConfig(
-        database_url="postgresql://u@h/db", kafka_bootstrap_servers="k:9092", lanes=8
-    )
-    relay = Relay(config, publisher=InMemoryPublisher(), clock=lambda: now[0])
-    relay._adapt_lanes(999)
-    assert relay._wanted == 1, "a claim below a full batch keeps one lane"
-    relay._adapt_lanes(1000)
-    assert relay._wanted == 8, "a full claim brings every lane in"
-    relay._active, relay._regroup = 8, type(relay._regroup)()  # the regroup happened
-    for _ in range(50):  # 1,000/16 = 62.5: 63 rows per lane claim is still busy
-        now[0] += 0.5
-        relay._adapt_lanes(63)
-    assert relay._wanted == 8 and not relay._regroup.is_set()
-    for _ in range(4):
-        now[0] += 0.5
-        relay._adapt_lanes(62)
-    assert not relay._regroup.is_set(), "not before 2 s"
-    now[0] += 0.5
-    relay._adapt_lanes(62)
-    assert relay._regroup.is_set() and relay._wanted == 1

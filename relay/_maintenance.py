@@ -1,0 +1,118 @@
+"""The maintenance leader's work: the pending gauges and the cleanup of published rows.
+
+Only the relay holding lease row ``-1`` (the leader, see :mod:`ledgerbox.relay._leases`) does
+it. Every few seconds it reads the pending count and the age of the oldest pending row into
+the gauges; every ``cleanup_interval_s`` it deletes rows published more than ``retention_s``
+ago, ``cleanup_batch_size`` rows per ``DELETE`` with ``cleanup_pause_s`` between them. Row
+locks only (``FOR UPDATE SKIP LOCKED``), never a pending or dead-lettered row (C14;
+docs/relay.md, "Cleanup").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ledgerbox.relay import _metrics as m
+from ledgerbox.relay._config import RelayConfig
+from ledgerbox.relay._errors import StoreError
+from ledgerbox.relay._stop import StopSignal
+from ledgerbox.relay._store import RelayStore
+
+__all__ = ["STATS_INTERVAL_S", "Maintenance", "MaintenanceDeps"]
+
+log = logging.getLogger("ledgerbox.relay")
+
+#: Pause between two rounds of the leader's maintenance (gauges, cleanup when due), seconds.
+STATS_INTERVAL_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class MaintenanceDeps:
+    """What :class:`Maintenance` uses.
+
+    Attributes
+    ----------
+    config : RelayConfig
+        ``shard_count``, ``retention_s``, ``cleanup_interval_s``, ``cleanup_batch_size``,
+        ``cleanup_pause_s``.
+    store : RelayStore
+        The maintenance connection (role ``"maint"``).
+    is_leader : Callable[[], bool]
+        True while this relay holds the leader lease.
+    clock : Callable[[], float]
+        Monotonic clock in seconds (when the cleanup is due).
+    stop : StopSignal
+    """
+
+    config: RelayConfig
+    store: RelayStore
+    is_leader: Callable[[], bool]
+    clock: Callable[[], float]
+    stop: StopSignal
+
+
+class Maintenance:
+    """The leader-only loop: gauges every :data:`STATS_INTERVAL_S`, cleanup when due.
+
+    Parameters
+    ----------
+    deps : MaintenanceDeps
+    """
+
+    def __init__(self, deps: MaintenanceDeps) -> None:
+        self._deps = deps
+        self._last_cleanup = -float("inf")
+
+    async def run(self) -> None:
+        """Until stopped; never raises on database errors (logged, counted as
+        ``retries_total{stage="maintenance"}``)."""
+        deps = self._deps
+        attempt = 0
+        while not deps.stop.is_set():
+            if deps.is_leader():
+                try:
+                    await self._round()
+                    attempt = 0
+                except StoreError as exc:
+                    attempt += 1
+                    m.RETRIES.labels(stage="maintenance").inc()
+                    log.warning("maintenance failed: %s", exc, extra={"attempt": attempt})
+            await deps.stop.sleep(STATS_INTERVAL_S)
+
+    async def _round(self) -> None:
+        deps = self._deps
+        stats = await deps.store.stats(deps.config.shard_count)
+        m.PENDING_EVENTS.set(stats.pending)
+        m.OLDEST_PENDING_AGE.set(stats.oldest_pending_age_s or 0.0)
+        now = deps.clock()
+        if now - self._last_cleanup >= deps.config.cleanup_interval_s:
+            self._last_cleanup = now
+            deleted = await self.cleanup_once()
+            if deleted:
+                log.info("cleanup deleted %d published rows", deleted)
+
+    async def cleanup_once(self) -> int:
+        """Delete published rows older than ``retention_s`` in bounded batches, then expired
+        member rows (leader only: 0 when this relay is not the leader). Returns the number of
+        outbox rows deleted.
+
+        Raises
+        ------
+        StoreError
+            A ``DELETE`` failed (the rows left are deleted by a later round).
+        """
+        deps = self._deps
+        cfg = deps.config
+        if not deps.is_leader():
+            return 0
+        total = 0
+        while not deps.stop.is_set() and deps.is_leader():
+            n = await deps.store.cleanup_published(cfg.retention_s, cfg.cleanup_batch_size)
+            total += n
+            if n < cfg.cleanup_batch_size:
+                break
+            await deps.stop.sleep(cfg.cleanup_pause_s)
+        await deps.store.cleanup_members()
+        return total
