@@ -26,6 +26,7 @@ from ledgerbox._core.settings import (
     configure_logging,
     settings_from_dataclass,
 )
+from ledgerbox.relay._checks import CheckResult, check_relay
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._hooks import RelayHooks
 from ledgerbox.relay._pgstore import pg_store_factory
@@ -43,10 +44,10 @@ RELAY_SETTINGS = CommandSettings(
         *settings_from_dataclass(
             RelayConfig,
             database_url={"well_known": ("DATABASE_URL",), "secret": True, "label": "database URL"},
+            # No default: a daemon with an unset address must not silently try localhost.
             kafka_bootstrap_servers={
                 "well_known": ("KAFKA_BOOTSTRAP_SERVERS",),
-                "default": "127.0.0.1:9092",
-                "required": False,
+                "label": "Kafka bootstrap servers",
             },
             schema={"old_env": ("LEDGERBOX_RELAY_DB_SCHEMA",)},
             on_dead_letter={"old_env": ("LEDGERBOX_RELAY_ON_DEAD",), "old_flags": ("--on-dead",)},
@@ -85,42 +86,53 @@ def run(values: Values, ctx: typer.Context) -> None:
 
 
 async def _run(config: RelayConfig, hooks: RelayHooks | None) -> None:
+    log = logging.getLogger("ledgerbox.relay")
+    result = await _check(config)
+    permanent = [p for p in result.problems if p.permanent]
+    if permanent:
+        typer.echo(f"ledgerbox relay: {permanent[0].line}", err=True)
+        raise typer.Exit(2)
+    for problem in result.problems:
+        # Not fatal: the relay starts, stays down with the cause and recovers once fixed.
+        log.warning("relay starts down: %s", problem.line)
     relay = Relay(config, hooks=hooks)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, relay.stop)
-    logging.getLogger("ledgerbox.relay").info("relay %s starting", config.member_id)
+    log.info(
+        "relay %s starting: database %s, kafka %s",
+        config.member_id,
+        config.database_label,
+        config.kafka_bootstrap_servers,
+    )
     await relay.run()
-    logging.getLogger("ledgerbox.relay").info("relay %s stopped", config.member_id)
+    log.info("relay %s stopped", config.member_id)
 
 
 @RELAY_SETTINGS.typer_command(app, "check", _CONNECTION)
 def check(values: Values, ctx: typer.Context) -> None:
-    """Health: exit 0 if PostgreSQL and Kafka answer, 1 otherwise (one line of output)."""
-    ok, line = asyncio.run(_check(_config(values)))
-    typer.echo(line)
-    raise typer.Exit(0 if ok else 1)
+    """Health: database, tables at the expected schema revision, grants, Kafka, topics.
+
+    Exit 0 and ``relay ok: ...`` when the relay could publish; exit 2 and one line
+    ``relay down: <cause>: <fix>`` per problem otherwise.
+    """
+    result = asyncio.run(_check(_config(values)))
+    if result.ok:
+        typer.echo(f"relay ok: {', '.join(result.healthy)}")
+        raise typer.Exit(0)
+    for problem in result.problems:
+        typer.echo(f"relay down: {problem.line}")
+    raise typer.Exit(2)
 
 
-async def _check(config: RelayConfig) -> tuple[bool, str]:
+async def _check(config: RelayConfig) -> CheckResult:
     store = pg_store_factory(config)("check")
-    db = "ok"
+    publisher = KafkaPublisher(config.kafka_bootstrap_servers, compression="none")
     try:
-        await asyncio.wait_for(store.ping(), 10)
-    except (LedgerboxError, TimeoutError) as exc:
-        db = f"FAIL ({type(exc).__name__})"
+        return await check_relay(config, store, publisher)
     finally:
         await store.aclose()
-    publisher = KafkaPublisher(config.kafka_bootstrap_servers, compression="none")
-    kafka = "ok"
-    try:
-        await asyncio.wait_for(publisher.check(), 15)
-    except Exception as exc:
-        kafka = f"FAIL ({type(exc).__name__})"
-    finally:
         await publisher.stop()
-    healthy = db == "ok" and kafka == "ok"
-    return healthy, f"relay {'ok' if healthy else 'unhealthy'}: database {db}, kafka {kafka}"
 
 
 @RELAY_SETTINGS.typer_command(
@@ -128,7 +140,8 @@ async def _check(config: RelayConfig) -> tuple[bool, str]:
 )
 def status(values: Values, ctx: typer.Context) -> None:
     """Pending count, oldest pending age, dead count and the shard owners."""
-    config = _config(values)
+    # status reads the database only: no Kafka address is needed (nor used).
+    config = _config({**values, "kafka_bootstrap_servers": "unused-by-status:0"})
 
     async def read() -> None:
         store = pg_store_factory(config)("status")

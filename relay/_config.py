@@ -150,6 +150,13 @@ class RelayConfig:
         return self._resolved_id
 
     @property
+    def database_label(self) -> str:
+        """``host:port/database`` of ``database_url``, for logs (never the user or password)."""
+        rest = self.database_url.partition("://")[2]
+        host_and_db = rest.rpartition("@")[2]
+        return host_and_db.split("?", 1)[0] or "(default)"
+
+    @property
     def libpq_url(self) -> str:
         """``database_url`` without SQLAlchemy's ``+driver`` suffix, for psycopg."""
         scheme, sep, rest = self.database_url.partition("://")

@@ -19,6 +19,9 @@ on its own, is dead-lettered (``status = 2``, ``last_error``). The broker reject
 record batch for one bad record, so the records of a failed batch whose fault is the
 record's are sent again one by one and only the one that fails alone is dead-lettered. With
 ``on_dead_letter="hold"`` later events of its key are not sent (the claim skips them too).
+A record refused for its timestamp alone (the broker's ``log.message.timestamp.after.max.ms``
+or ``before.max.ms``) is never dead-lettered: it is sent again with the relay's send time as
+its timestamp, the event time staying in ``ce_time`` (C19, docs/outbox.md "Event time").
 
 A lane maps each shard to exactly one lane (``shard % lanes``), so rows of one shard (and
 key) are handed to the shared producer by one pipeline, one batch after the other, in id
@@ -40,12 +43,18 @@ from ledgerbox._core.faults import Fault
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import StoreError
+from ledgerbox.relay._health import RelayHealth
 from ledgerbox.relay._hooks import RelayHooks
 from ledgerbox.relay._leases import Leases
-from ledgerbox.relay._policy import failure_reason, held_behind_dead_letter, publish_fault
+from ledgerbox.relay._policy import (
+    failure_reason,
+    held_behind_dead_letter,
+    publish_fault,
+    timestamp_refused,
+)
 from ledgerbox.relay._producer import SharedProducer
 from ledgerbox.relay._publisher import OutboundRecord
-from ledgerbox.relay._record import to_record
+from ledgerbox.relay._record import restamped, to_record
 from ledgerbox.relay._stop import StopSignal
 from ledgerbox.relay._store import ClaimedEvent, RelayStore
 
@@ -77,6 +86,8 @@ class LaneDeps:
         ``after_confirm`` is awaited between confirmation and mark (test-only).
     on_claimed : Callable[[int], None]
         Told the size of each claim of :meth:`Lane.run` (the lane scaler).
+    health : RelayHealth
+        Told when the lane's database calls fail and work again (part ``"claims"``).
     """
 
     config: RelayConfig
@@ -87,6 +98,7 @@ class LaneDeps:
     regroup: asyncio.Event
     hooks: RelayHooks
     on_claimed: Callable[[int], None]
+    health: RelayHealth
 
 
 class Lane:
@@ -115,6 +127,7 @@ class Lane:
         self._marking_ids: list[int] = []
         self._marking_shards: set[int] = set()
         self._rotation = 0
+        self._claimed_from_db = False  # the last claim ran a query (it had shards)
 
     @property
     def stores(self) -> tuple[RelayStore, RelayStore]:
@@ -143,10 +156,13 @@ class Lane:
                     continue
                 claimed, _ = await self.publish_batch(lanes, pipelined=True)
                 attempt = 0
+                if self._claimed_from_db:
+                    deps.health.up("claims")
             except StoreError as exc:
                 attempt += 1
                 m.RETRIES.labels(stage="db").inc()
-                log.warning("database error: %s", exc, extra={"attempt": attempt})
+                deps.health.down("claims", str(exc))
+                log.debug("database error: %s", exc, extra={"attempt": attempt})
                 await deps.stop.sleep(deps.backoff.delay_s(attempt))
                 continue
             deps.on_claimed(claimed)
@@ -260,6 +276,7 @@ class Lane:
         self.wake.clear()
         leases, config = self._deps.leases, self._deps.config
         shards = [s for s in leases.usable() if s % lanes == self.index]
+        self._claimed_from_db = bool(shards)
         if not shards:
             return [], {}
         start = self._rotation % len(shards)
@@ -356,16 +373,32 @@ class Lane:
         return confirmed, dead, failure
 
     async def _isolate(self, suspects: list[ClaimedEvent], rejected: set[str]) -> _Outcome:
-        producer, on_dead_letter = self._deps.producer, self._deps.config.on_dead_letter
+        on_dead_letter = self._deps.config.on_dead_letter
         ok: list[ClaimedEvent] = []
         bad: _Dead = []
         for event in suspects:
             if held_behind_dead_letter(on_dead_letter, event.partition_key, rejected):
                 continue
             try:
-                (future,) = await producer.send_many([to_record(event)])
-                await future
+                await self._send_alone(to_record(event))
             except Exception as exc:
+                if timestamp_refused(exc):
+                    # No committed event is dead-lettered for its time (C19): the record
+                    # goes out stamped with the send time; ce_time keeps the event time.
+                    try:
+                        await self._send_alone(restamped(to_record(event), time.time()))
+                    except Exception as again:
+                        # Refused at the relay's own clock too: the clocks are wrong, not
+                        # the event. Pending, retried, health down (never dead-lettered).
+                        return ok, bad, again
+                    m.RESTAMPED.inc()
+                    log.warning(
+                        "record timestamp refused by the broker, sent with the send time "
+                        "(ce_time keeps the event time)",
+                        extra={"event_id": event.event_id, "partition_key": event.partition_key},
+                    )
+                    ok.append(event)
+                    continue
                 if publish_fault(exc) is not Fault.MESSAGE:
                     return ok, bad, exc
                 bad.append((event, failure_reason(exc)))
@@ -373,6 +406,10 @@ class Lane:
                 continue
             ok.append(event)
         return ok, bad, None
+
+    async def _send_alone(self, record: OutboundRecord) -> None:
+        (future,) = await self._deps.producer.send_many([record])
+        await future
 
     # -- mark ------------------------------------------------------------------------------
 

@@ -21,6 +21,12 @@ ttl - margin, kept by the pure :class:`~ledgerbox.relay._policy.LeaseBook`): whe
 without renewal (database unreachable) the shard is no longer published, so a relay cut off
 from the database never competes with the relay that took its shard over. Lease row ``-1``
 elects the maintenance leader (cleanup of published rows, pending gauges).
+
+A relay holds no shard while it cannot publish (docs/relay.md, "Health"): it is not a member
+(no member row, so it lowers nobody's fair share) and acquires nothing until its producer runs
+and Kafka answers; when Kafka has been unreachable for longer than ``lease_ttl_s`` it drains
+every data shard (released as soon as no batch of it is in flight), so a healthy relay takes
+them over. A wrong Kafka address therefore strands no event.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import StoreError
+from ledgerbox.relay._health import RelayHealth
 from ledgerbox.relay._policy import LEADER_SHARD, LeaseBook, fair_share
 from ledgerbox.relay._stop import StopSignal
 from ledgerbox.relay._store import RelayStore
@@ -59,6 +66,13 @@ class LeaseDeps:
         Shards with a batch in flight or being marked (a drained shard waits for them).
     on_acquired : Callable[[], None]
         Called when new shards were acquired (the lanes claim at once).
+    can_publish : Callable[[], bool]
+        True while the producer runs and Kafka answers; only then are shards acquired.
+    kafka_down_for_s : Callable[[], float]
+        Seconds Kafka has not answered (0 while it does); above ``lease_ttl_s`` every data
+        shard is drained and released.
+    health : RelayHealth
+        Told when the lease statements fail and work again (part ``"leases"``).
     """
 
     config: RelayConfig
@@ -67,6 +81,9 @@ class LeaseDeps:
     stop: StopSignal
     busy_shards: Callable[[], set[int]]
     on_acquired: Callable[[], None]
+    can_publish: Callable[[], bool]
+    kafka_down_for_s: Callable[[], float]
+    health: RelayHealth
 
 
 class Leases:
@@ -83,6 +100,7 @@ class Leases:
         margin_s = min(cfg.lease_ttl_s / 2, max(cfg.heartbeat_interval_s, cfg.lease_ttl_s * 0.2))
         self._book = LeaseBook(cfg.lease_ttl_s, margin_s)
         self._rows_ready = False
+        self._member = False
 
     # -- what the lanes and the leader read ------------------------------------------------
 
@@ -108,20 +126,41 @@ class Leases:
         StoreError
             A lease statement failed (the shards not renewed expire locally).
         """
-        cfg, store, clock, book = self._deps.config, self._deps.store, self._deps.clock, self._book
+        deps = self._deps
+        cfg, store, clock, book = deps.config, deps.store, deps.clock, self._book
         ttl = cfg.lease_ttl_s
         if not self._rows_ready:
             await store.ensure_leases(cfg.shard_count)
             self._rows_ready = True
-        live = await store.heartbeat(ttl)
+        publishing = deps.can_publish()
+        if publishing:
+            live = await store.heartbeat(ttl)
+            self._member = True
+        elif self._member:
+            # Not a member while it cannot publish: the others' fair share grows to cover it.
+            await store.leave()
+            self._member = False
         sent_at = clock()
         renewed = await store.renew_shards(book.held(), ttl)
         lost = book.renewed(renewed, sent_at)
         if lost:
             log.warning("lost shard leases %s", lost, extra={"shards": lost})
-        want, drain = book.plan(fair_share(cfg.shard_count, live))
-        if drain:
-            log.info("draining shards %s (fair share, %d live relays)", drain, live)
+        if publishing:
+            want, drain = book.plan(fair_share(cfg.shard_count, live))
+            if drain:
+                log.info("draining shards %s (fair share, %d live relays)", drain, live)
+        else:
+            want, drain = 0, []
+            if deps.kafka_down_for_s() > ttl:
+                drain = book.plan(0)[1]
+                if drain:
+                    log.warning(
+                        "Kafka unreachable for %.0f s (over lease_ttl_s): releasing shards %s "
+                        "to relays that can publish",
+                        deps.kafka_down_for_s(),
+                        drain,
+                        extra={"shards": drain},
+                    )
         if want:
             sent_at = clock()
             grants = await store.acquire_shards(want, ttl, lo=0, hi=cfg.shard_count - 1)
@@ -142,15 +181,17 @@ class Leases:
         """Heartbeat every ``heartbeat_interval_s`` until stopped; never raises on database
         errors (logged, counted as ``retries_total{stage="heartbeat"}``)."""
         attempt = 0
-        stop = self._deps.stop
+        stop, health = self._deps.stop, self._deps.health
         while not stop.is_set():
             try:
                 await self.heartbeat_once()
                 attempt = 0
+                health.up("leases")
             except StoreError as exc:
                 attempt += 1
                 m.RETRIES.labels(stage="heartbeat").inc()
-                log.warning("heartbeat failed: %s", exc, extra={"attempt": attempt})
+                health.down("leases", str(exc))
+                log.debug("heartbeat failed: %s", exc, extra={"attempt": attempt})
             await stop.sleep(self._deps.config.heartbeat_interval_s)
 
     async def release_drained(self) -> None:
@@ -179,3 +220,4 @@ class Leases:
             await self._deps.store.release_shards(held)
         with contextlib.suppress(StoreError):
             await self._deps.store.leave()
+        self._member = False

@@ -1,8 +1,12 @@
-"""The maintenance leader's work: the pending gauges and the cleanup of published rows.
+"""Maintenance: every relay's gauges of its own shards, and the leader's work (the gauges of
+the whole table, the cleanup of published rows).
 
-Only the relay holding lease row ``-1`` (the leader, see :mod:`ledgerbox.relay._leases`) does
-it. Every few seconds it reads the pending count and the age of the oldest pending row into
-the gauges; every ``cleanup_interval_s`` it deletes rows published more than ``retention_s``
+Every relay, every few seconds, reads the rows not yet published in the shards IT holds into
+``ledgerbox_relay_owned_pending_events`` and ``..._owned_oldest_pending_age_seconds``: a relay
+whose shards do not drain shows it in its own metrics. Only the relay holding lease row ``-1``
+(the leader, see :mod:`ledgerbox.relay._leases`) also reads the pending count and the age of
+the oldest pending row of the whole table into the gauges; every ``cleanup_interval_s`` it
+deletes rows published more than ``retention_s``
 ago, ``cleanup_batch_size`` rows per ``DELETE`` with ``cleanup_pause_s`` between them. Row
 locks only (``FOR UPDATE SKIP LOCKED``), never a pending or dead-lettered row (C14;
 docs/relay.md, "Cleanup").
@@ -41,6 +45,8 @@ class MaintenanceDeps:
         The maintenance connection (role ``"maint"``).
     is_leader : Callable[[], bool]
         True while this relay holds the leader lease.
+    owned_shards : Callable[[], list[int]]
+        The data shards this relay holds now.
     clock : Callable[[], float]
         Monotonic clock in seconds (when the cleanup is due).
     stop : StopSignal
@@ -49,6 +55,7 @@ class MaintenanceDeps:
     config: RelayConfig
     store: RelayStore
     is_leader: Callable[[], bool]
+    owned_shards: Callable[[], list[int]]
     clock: Callable[[], float]
     stop: StopSignal
 
@@ -71,15 +78,28 @@ class Maintenance:
         deps = self._deps
         attempt = 0
         while not deps.stop.is_set():
-            if deps.is_leader():
-                try:
+            try:
+                await self.owned_round()
+                if deps.is_leader():
                     await self._round()
-                    attempt = 0
-                except StoreError as exc:
-                    attempt += 1
-                    m.RETRIES.labels(stage="maintenance").inc()
-                    log.warning("maintenance failed: %s", exc, extra={"attempt": attempt})
+                attempt = 0
+            except StoreError as exc:
+                attempt += 1
+                m.RETRIES.labels(stage="maintenance").inc()
+                log.debug("maintenance failed: %s", exc, extra={"attempt": attempt})
             await deps.stop.sleep(STATS_INTERVAL_S)
+
+    async def owned_round(self) -> None:
+        """Read the rows waiting in this relay's own shards into its gauges.
+
+        Raises
+        ------
+        StoreError
+            The count failed (the gauges keep their last values).
+        """
+        pending, age = await self._deps.store.owned_stats(self._deps.owned_shards())
+        m.OWNED_PENDING_EVENTS.set(pending)
+        m.OWNED_OLDEST_PENDING_AGE.set(age or 0.0)
 
     async def _round(self) -> None:
         deps = self._deps

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
 from ledgerbox.outbox import EventEnvelope, EventStatus, shard_of, timestamp_ms
-from ledgerbox.relay._store import ClaimedEvent, RelayStats, StoreFactory
+from ledgerbox.relay._store import ClaimedEvent, RelayStats, SchemaReport, StoreFactory
 
 __all__ = ["InMemoryRelayStore"]
 
@@ -301,6 +301,17 @@ class InMemoryRelayStore:
                 for s, lease in sorted(t.leases.items())
             ],
         )
+
+    async def owned_stats(self, shards: Sequence[int]) -> tuple[int, float | None]:
+        t, now, wanted = self._t, self._t.clock(), set(shards)
+        waiting = [r for r in t.rows.values() if r.status == _PENDING and r.event.shard in wanted]
+        oldest = min((r.created_at for r in waiting), default=None)
+        return len(waiting), None if oldest is None else now - oldest
+
+    async def schema_report(self) -> SchemaReport:
+        # Memory has every table and column and grants everything.
+        topics = sorted({r.event.topic for r in self._t.rows.values() if r.status == _PENDING})
+        return SchemaReport([], [], None, [], False, topics[:100])
 
     async def ping(self) -> None:
         return None

@@ -8,11 +8,15 @@ __all__ = [
     "ACTIVE_LANES",
     "DEAD_LETTERED",
     "OLDEST_PENDING_AGE",
+    "OWNED_OLDEST_PENDING_AGE",
+    "OWNED_PENDING_EVENTS",
     "OWNED_SHARDS",
     "PENDING_EVENTS",
     "PUBLISHED",
     "PUBLISH_BATCH_DURATION",
+    "RESTAMPED",
     "RETRIES",
+    "UP",
 ]
 
 PENDING_EVENTS = Gauge(
@@ -39,4 +43,21 @@ OWNED_SHARDS = Gauge("ledgerbox_relay_owned_shards", "Shards this relay holds a 
 ACTIVE_LANES = Gauge(
     "ledgerbox_relay_active_lanes",
     "Claim -> publish -> mark pipelines running now (all while there is a backlog, else 1)",
+)
+OWNED_PENDING_EVENTS = Gauge(
+    "ledgerbox_relay_owned_pending_events",
+    "Outbox rows not yet published in the shards this relay holds (this relay's last count)",
+)
+OWNED_OLDEST_PENDING_AGE = Gauge(
+    "ledgerbox_relay_owned_oldest_pending_age_seconds",
+    "Age of the oldest row not yet published in the shards this relay holds",
+)
+UP = Gauge(
+    "ledgerbox_relay_up",
+    "1 while this relay can publish (Kafka and its database answer), 0 while it is down",
+)
+RESTAMPED = Counter(
+    "ledgerbox_relay_restamped_total",
+    "Records re-sent with the relay's send time as timestamp because the broker refused the "
+    "event time (log.message.timestamp.{before,after}.max.ms); ce_time keeps the event time",
 )

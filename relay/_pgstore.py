@@ -21,7 +21,7 @@ from psycopg import sql
 
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import StoreError
-from ledgerbox.relay._store import ClaimedEvent, RelayStats, RelayStore, StoreFactory
+from ledgerbox.relay._store import ClaimedEvent, RelayStats, RelayStore, SchemaReport, StoreFactory
 
 __all__ = ["PgRelayStore", "pg_store_factory"]
 
@@ -170,6 +170,63 @@ SELECT
        WHERE o.shard = s.shard AND o.status = 0 ORDER BY o.id LIMIT 1) AS p)
 """
 
+# The shards this relay holds: the same per-shard LATERAL over the pending index as STATS.
+OWNED_STATS: LiteralString = """
+SELECT
+  (SELECT count(*) FROM {outbox} WHERE status = 0 AND shard = ANY(%(shards)s::int2[])),
+  (SELECT extract(epoch FROM now() - min(p.created_at))::float8
+     FROM unnest(%(shards)s::int2[]) AS s(shard)
+     CROSS JOIN LATERAL (
+       SELECT o.created_at FROM {outbox} AS o
+       WHERE o.shard = s.shard AND o.status = 0 ORDER BY o.id LIMIT 1) AS p)
+"""
+
+#: Columns the relay reads or writes, per table (relay check: "schema behind").
+REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
+    "outbox": (
+        "id", "event_id", "idempotency_key", "topic", "partition_key", "shard", "event_type",
+        "source", "aggregate_type", "aggregate_id", "aggregate_version", "payload", "headers",
+        "occurred_at", "created_at", "status", "attempts", "published_at", "last_error",
+    ),
+    "lease": ("shard", "owner", "fence", "expires_at"),
+    "member": ("relay_id", "started_at", "expires_at"),
+}  # fmt: skip
+#: Privileges the relay needs, per table (each checked on its own: has_table_privilege with
+#: a list is true when ANY of them is held).
+REQUIRED_PRIVILEGES: dict[str, tuple[str, ...]] = {
+    "outbox": ("SELECT", "UPDATE", "DELETE"),
+    "lease": ("SELECT", "INSERT", "UPDATE"),
+    "member": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+}
+
+# One row per (table, column-or-privilege) the relay needs; regclass resolves the (search
+# path or schema-qualified) names, so nothing here depends on current_schema().
+SCHEMA_TABLES: LiteralString = """
+SELECT t.role, to_regclass(t.qualified) IS NOT NULL
+FROM unnest(%(roles)s::text[], %(qualified)s::text[]) AS t(role, qualified)
+"""
+SCHEMA_COLUMNS: LiteralString = """
+SELECT t.role, a.attname
+FROM unnest(%(roles)s::text[], %(qualified)s::text[]) AS t(role, qualified)
+JOIN pg_attribute AS a ON a.attrelid = to_regclass(t.qualified)
+WHERE a.attnum > 0 AND NOT a.attisdropped
+"""
+SCHEMA_PRIVILEGES: LiteralString = """
+SELECT t.role, t.privilege, has_table_privilege(to_regclass(t.qualified), t.privilege)
+FROM unnest(%(roles)s::text[], %(qualified)s::text[], %(privileges)s::text[])
+  AS t(role, qualified, privilege)
+WHERE to_regclass(t.qualified) IS NOT NULL
+"""
+SCHEMA_SESSION: LiteralString = """
+SELECT current_setting('transaction_read_only') = 'on',
+  coalesce(has_table_privilege(to_regclass(%(version_table)s), 'SELECT'), false)
+"""
+SCHEMA_REVISION: LiteralString = "SELECT version_num FROM {version_table}"
+PENDING_TOPICS: LiteralString = """
+SELECT DISTINCT p.topic FROM (SELECT topic FROM {outbox} WHERE status = 0 LIMIT 10000) AS p
+LIMIT 100
+"""
+
 SHARD_OWNERS: LiteralString = """
 SELECT shard, owner, fence, owner IS NOT NULL AND expires_at > now() FROM {lease}
 ORDER BY shard
@@ -200,6 +257,14 @@ class PgRelayStore:
             "outbox": ident(config.outbox_table),
             "lease": ident(f"{config.outbox_table}_relay_lease"),
             "member": ident(f"{config.outbox_table}_relay_member"),
+            "version_table": ident("ledgerbox_alembic_version"),
+        }
+        prefix = f"{schema}." if schema else ""
+        self._qualified = {
+            "outbox": f"{prefix}{config.outbox_table}",
+            "lease": f"{prefix}{config.outbox_table}_relay_lease",
+            "member": f"{prefix}{config.outbox_table}_relay_member",
+            "version_table": f"{prefix}ledgerbox_alembic_version",
         }
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._channel = f"{config.outbox_table}_{schema or 'default'}_ledgerbox"
@@ -372,6 +437,59 @@ class PgRelayStore:
             dead_lettered=int(dead),
             oldest_pending_age_s=None if age is None else float(age),
             owners=[(int(s), o, int(f), bool(live)) for s, o, f, live in owners],
+        )
+
+    async def owned_stats(self, shards: Sequence[int]) -> tuple[int, float | None]:
+        """Rows not yet published in ``shards`` and the age of the oldest, in seconds."""
+        if not shards:
+            return 0, None
+        rows = await self._fetch(OWNED_STATS, {"shards": list(shards)}, "owned_stats")
+        pending, age = rows[0]
+        return int(pending), None if age is None else float(age)
+
+    async def schema_report(self) -> SchemaReport:
+        """Tables, columns, revision, privileges and read-only state (catalog reads only)."""
+        roles = list(REQUIRED_COLUMNS)
+        qualified = [self._qualified[r] for r in roles]
+        names = {r: q.rsplit(".", 1)[-1] for r, q in zip(roles, qualified, strict=True)}
+        args = {"roles": roles, "qualified": qualified}
+        present = dict(await self._fetch(SCHEMA_TABLES, args, "schema check"))
+        columns: dict[str, set[str]] = {r: set() for r in roles}
+        for role, column in await self._fetch(SCHEMA_COLUMNS, args, "schema check"):
+            columns[role].add(column)
+        wanted = [(r, p) for r in roles for p in REQUIRED_PRIVILEGES[r]]
+        privileges = await self._fetch(
+            SCHEMA_PRIVILEGES,
+            {
+                "roles": [r for r, _ in wanted],
+                "qualified": [self._qualified[r] for r, _ in wanted],
+                "privileges": [p for _, p in wanted],
+            },
+            "schema check",
+        )
+        ((read_only, versioned),) = await self._fetch(
+            SCHEMA_SESSION, {"version_table": self._qualified["version_table"]}, "schema check"
+        )
+        revision = None
+        if versioned:
+            found = await self._fetch(SCHEMA_REVISION, {}, "schema check")
+            revision = str(found[0][0]) if found else ""
+        topics: list[str] = []
+        if present.get("outbox") and not {"status", "topic"} - columns["outbox"]:
+            topics = [str(t) for (t,) in await self._fetch(PENDING_TOPICS, {}, "schema check")]
+        return SchemaReport(
+            missing_tables=[names[r] for r in roles if not present.get(r)],
+            missing_columns=[
+                f"{names[r]}.{c}"
+                for r in roles
+                if present.get(r)
+                for c in REQUIRED_COLUMNS[r]
+                if c not in columns[r]
+            ],
+            revision=revision,
+            missing_privileges=[f"{p} on {names[r]}" for r, p, ok in privileges if not ok],
+            read_only=bool(read_only),
+            pending_topics=sorted(topics),
         )
 
     async def ping(self) -> None:

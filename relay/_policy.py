@@ -21,6 +21,8 @@ __all__ = [
     "fair_share",
     "held_behind_dead_letter",
     "publish_fault",
+    "timestamp_refused",
+    "unreachable",
 ]
 
 #: Lease row whose owner is the maintenance leader (cleanup, gauges). Not a data shard.
@@ -44,6 +46,27 @@ def failure_reason(exc: BaseException) -> str:
     name = exc.kind if isinstance(exc, BrokerError) else type(exc).__name__
     text = str(exc)
     return f"{name}: {text}" if text else name
+
+
+#: Kafka error kinds of a broker that did not answer in time (as opposed to one that answered
+#: with a refusal such as NOT_ENOUGH_REPLICAS, which every relay gets alike).
+_NO_ANSWER = frozenset({"KafkaTimeoutError", "RequestTimedOutError", "Cancelled"})
+
+
+def unreachable(exc: BaseException) -> bool:
+    """True if a failed send means Kafka did not answer this relay (a connection fault of
+    the environment, or no answer in time), not that it answered with a refusal."""
+    if isinstance(exc, TimeoutError):
+        return True
+    if not isinstance(exc, BrokerError):
+        return False
+    return exc.fault is Fault.ENVIRONMENT or exc.kind in _NO_ANSWER
+
+
+def timestamp_refused(exc: BaseException) -> bool:
+    """True if the broker refused the record for its timestamp alone (INVALID_TIMESTAMP,
+    error code 32: ``log.message.timestamp.after.max.ms`` / ``before.max.ms``)."""
+    return isinstance(exc, BrokerError) and exc.kind == "InvalidTimestampError"
 
 
 def fair_share(shard_count: int, live_members: int) -> int:

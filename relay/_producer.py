@@ -16,8 +16,9 @@ from typing import Any
 from ledgerbox._core.backoff import Backoff
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._errors import PublishError
+from ledgerbox.relay._health import RelayHealth
 from ledgerbox.relay._hooks import RelayHooks
-from ledgerbox.relay._policy import failure_reason
+from ledgerbox.relay._policy import failure_reason, unreachable
 from ledgerbox.relay._publisher import OutboundRecord, Publisher
 from ledgerbox.relay._stop import StopSignal
 from ledgerbox.relay._store import ClaimedEvent
@@ -44,43 +45,90 @@ class SharedProducer:
         Backoff pauses end when the relay stops.
     hooks : RelayHooks
         ``before_first_send`` is awaited before the first :meth:`send_many` (test-only).
+    health : RelayHealth
+        Told when Kafka stops and starts answering (part ``"kafka"``).
     """
 
     def __init__(
-        self, publisher: Publisher, *, backoff: Backoff, stop: StopSignal, hooks: RelayHooks
+        self,
+        publisher: Publisher,
+        *,
+        backoff: Backoff,
+        stop: StopSignal,
+        hooks: RelayHooks,
+        health: RelayHealth,
     ) -> None:
         self.publisher = publisher
+        self._health = health
         self._backoff = backoff
         self._stop = stop
         self._before_first_send = hooks.before_first_send
         self._ready = False
         self._lock = asyncio.Lock()
         self._failures = 0
+        self._next_probe = 0.0
+        # Since when Kafka does not answer at all (not: answers with a refusal).
+        self._unreachable_since: float | None = None
 
     @property
     def failures(self) -> int:
         """Publish failures in a row (0 after a clean batch)."""
         return self._failures
 
+    def can_publish(self) -> bool:
+        """True while the producer runs and Kafka answers: only then may the relay hold
+        shards (a relay that cannot reach Kafka would strand their events). A broker that
+        answers with a retriable refusal (e.g. NOT_ENOUGH_REPLICAS) refuses every relay
+        alike: that is no reason to hand shards over."""
+        return self._ready and self._unreachable_since is None
+
+    def down_for_s(self) -> float:
+        """Seconds since Kafka stopped answering (0 while it answers)."""
+        since = self._unreachable_since
+        return 0.0 if since is None else self._health.now() - since
+
+    def _unreachable(self) -> None:
+        if self._unreachable_since is None:
+            self._unreachable_since = self._health.now()
+
+    def _reachable(self) -> None:
+        self._unreachable_since = None
+
     async def ensure(self) -> bool:
-        """Start the producer unless it runs; False (counted as a failure, logged) if Kafka
-        cannot be reached. Never raises for a broker error."""
+        """Start the producer unless it runs; False (counted as a failure, health down with
+        the cause, logged once per outage) if Kafka cannot be reached. Never raises for a
+        broker error."""
         async with self._lock:
             if self._ready:
+                await self._probe_while_down()
                 return True
             try:
                 await self.publisher.start()
             except Exception as exc:
                 self._failures += 1
                 m.RETRIES.labels(stage="producer").inc()
-                log.warning(
-                    "Kafka producer cannot start: %s",
-                    failure_reason(exc),
-                    extra={"attempt": self._failures},
-                )
+                self._unreachable()
+                self._health.down("kafka", f"producer start failed: {failure_reason(exc)}")
                 return False
             self._ready = True
+            self._reachable()
+            self._health.up("kafka")
             return True
+
+    async def _probe_while_down(self) -> None:
+        # A relay that released its shards because Kafka did not answer sends nothing, so no
+        # send can tell it Kafka is back: ask the cluster for metadata, at the backoff's pace.
+        health = self._health
+        if self._unreachable_since is None or health.now() < self._next_probe:
+            return
+        self._next_probe = health.now() + self._backoff.delay_s(max(1, self._failures))
+        try:
+            await self.publisher.check()
+        except Exception as exc:
+            health.down("kafka", f"metadata request failed: {failure_reason(exc)}")
+            return
+        self._reachable()
+        health.up("kafka")
 
     async def pause(self) -> None:
         """Back off after :meth:`ensure` failed (ends early when stopping)."""
@@ -100,6 +148,8 @@ class SharedProducer:
     def succeeded(self) -> None:
         """A batch went through without a transient failure: the count starts again."""
         self._failures = 0
+        self._reachable()
+        self._health.up("kafka")
 
     async def failed(self, exc: BaseException, first: ClaimedEvent | None) -> None:
         """A batch failed transiently (its rows stay pending): count, log, recreate the
@@ -107,7 +157,10 @@ class SharedProducer:
         self._failures += 1
         attempt = self._failures
         m.RETRIES.labels(stage="publish").inc()
-        log.warning(
+        if unreachable(exc):
+            self._unreachable()
+        self._health.down("kafka", f"publish failed, rows stay pending: {failure_reason(exc)}")
+        log.debug(
             "publish failed (transient), rows stay pending: %s",
             failure_reason(exc),
             extra={

@@ -274,3 +274,43 @@ class KafkaPublisher:
             await self._producer.client.fetch_all_metadata()
         except Exception as exc:
             raise PublishError.translate(exc, "metadata") from exc
+
+    async def cluster(self, topics: Sequence[str]) -> tuple[int, set[str], bool]:
+        """``(brokers, which of topics exist, whether the brokers create topics)`` for
+        ``relay check``: cluster metadata and the brokers' ``auto.create.topics.enable``
+        (read only; nothing is created).
+
+        Raises
+        ------
+        PublishError
+            Kafka cannot be reached or refuses the request.
+        """
+        from aiokafka.admin import AIOKafkaAdminClient
+        from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+        if self._producer is None:
+            await self.start()
+        assert self._producer is not None
+        try:
+            metadata = await self._producer.client.fetch_all_metadata()
+            brokers = sorted(b.nodeId for b in metadata.brokers())
+            existing = set(metadata.topics()) & set(topics)
+            auto_create = False
+            if brokers and set(topics) - existing:
+                admin = AIOKafkaAdminClient(
+                    bootstrap_servers=self._kwargs["bootstrap_servers"],
+                    request_timeout_ms=self._kwargs["request_timeout_ms"],
+                )
+                await admin.start()
+                try:
+                    resource = ConfigResource(ConfigResourceType.BROKER, str(brokers[0]))
+                    (response,) = await admin.describe_configs([resource])
+                finally:
+                    await admin.close()
+                for *_, entries in response.resources:
+                    for name, value, *_rest in entries:
+                        if name == "auto.create.topics.enable":
+                            auto_create = str(value).lower() == "true"
+        except Exception as exc:
+            raise PublishError.translate(exc, "cluster metadata") from exc
+        return len(brokers), existing, auto_create

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from ledgerbox._core.names import (
@@ -21,7 +22,7 @@ from ledgerbox._core.names import (
 from ledgerbox.relay._publisher import OutboundRecord
 from ledgerbox.relay._store import ClaimedEvent
 
-__all__ = ["to_record"]
+__all__ = ["restamped", "to_record"]
 
 _SPEC = (H_SPEC, b"1.0")
 _CONTENT_TYPE = (H_CONTENT_TYPE, CONTENT_TYPE.encode())
@@ -62,3 +63,10 @@ def to_record(event: ClaimedEvent) -> OutboundRecord:
         timestamp_ms=event.occurred_at_ms,
         headers=headers,
     )
+
+
+def restamped(record: OutboundRecord, now_s: float) -> OutboundRecord:
+    """``record`` with the send time ``now_s`` (seconds since the epoch) as its timestamp,
+    in whole ms; headers (``ce_time`` = the event time) unchanged. For a record the broker
+    refused for its timestamp alone (C19)."""
+    return dataclasses.replace(record, timestamp_ms=int(now_s * 1000))

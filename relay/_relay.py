@@ -54,6 +54,7 @@ from collections.abc import Callable
 from ledgerbox._core.backoff import Backoff
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._config import RelayConfig
+from ledgerbox.relay._health import HealthReport, RelayHealth
 from ledgerbox.relay._hooks import RelayHooks
 from ledgerbox.relay._lane import Lane, LaneDeps
 from ledgerbox.relay._leases import LeaseDeps, Leases
@@ -111,6 +112,7 @@ class Relay:
         hooks = hooks or RelayHooks()
         self._stop = StopSignal()
         self._clock = clock
+        self._health = RelayHealth(config.member_id, clock)
         backoff = Backoff(base_s=0.1, max_s=config.backoff_max_s)
         self._producer = SharedProducer(
             publisher
@@ -124,6 +126,7 @@ class Relay:
             backoff=backoff,
             stop=self._stop,
             hooks=hooks,
+            health=self._health,
         )
         self._lease_store = stores("lease")
         self._maint_store = stores("maint")
@@ -136,6 +139,9 @@ class Relay:
                 stop=self._stop,
                 busy_shards=self._busy_shards,
                 on_acquired=self._wake_all,
+                can_publish=self._producer.can_publish,
+                kafka_down_for_s=self._producer.down_for_s,
+                health=self._health,
             )
         )
         self._maintenance = Maintenance(
@@ -143,6 +149,7 @@ class Relay:
                 config=config,
                 store=self._maint_store,
                 is_leader=self._leases.is_leader,
+                owned_shards=self._leases.usable,
                 clock=clock,
                 stop=self._stop,
             )
@@ -166,6 +173,7 @@ class Relay:
             regroup=self._regroup,
             hooks=hooks,
             on_claimed=self._observe_claim,
+            health=self._health,
         )
         one = config.lanes == 1
         self._lanes = [
@@ -220,9 +228,11 @@ class Relay:
         StoreError
             A database call failed (``run`` retries instead).
         """
-        await self._leases.heartbeat_once()
+        # The producer first: a relay acquires shards only while it can publish.
         if not await self._producer.ensure():
+            await self._leases.heartbeat_once()
             return 0
+        await self._leases.heartbeat_once()
         total = 0
         self._active = len(self._lanes)
         for lane in self._lanes:
@@ -268,6 +278,12 @@ class Relay:
     def is_leader(self) -> bool:
         """True while this relay holds the maintenance-leader lease."""
         return self._leases.is_leader()
+
+    def health(self) -> HealthReport:
+        """``ok``, or ``down`` with the cause (Kafka or the database does not answer, the
+        tables are missing, a grant is revoked...). Also the gauge ``ledgerbox_relay_up``;
+        each change of state is logged once."""
+        return self._health.report()
 
     async def cleanup_once(self) -> int:
         """Delete published rows older than ``retention_s`` in bounded batches (leader only;

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["ClaimedEvent", "RelayStats", "RelayStore", "StoreFactory"]
+__all__ = ["ClaimedEvent", "RelayStats", "RelayStore", "SchemaReport", "StoreFactory"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +68,35 @@ class RelayStats:
     dead_lettered: int
     oldest_pending_age_s: float | None
     owners: list[tuple[int, str | None, int, bool]]
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaReport:
+    """What the relay's startup checks need to know about its tables (``relay check``).
+
+    Attributes
+    ----------
+    missing_tables : list[str]
+        Tables the relay uses that do not exist (not migrated, wrong schema or name).
+    missing_columns : list[str]
+        ``table.column`` the relay reads or writes that do not exist (schema behind).
+    revision : str | None
+        The ledgerbox schema revision in ``ledgerbox_alembic_version``; ``None`` when that
+        table does not exist (tables created by an embedding Alembic environment).
+    missing_privileges : list[str]
+        ``"UPDATE on outbox"``: privileges the relay's role lacks.
+    read_only : bool
+        The session is read-only (a replica, ``default_transaction_read_only``).
+    pending_topics : list[str]
+        Up to 100 distinct topics of rows waiting to be published.
+    """
+
+    missing_tables: list[str]
+    missing_columns: list[str]
+    revision: str | None
+    missing_privileges: list[str]
+    read_only: bool
+    pending_topics: list[str]
 
 
 class RelayStore(Protocol):
@@ -145,6 +174,14 @@ class RelayStore(Protocol):
 
     async def stats(self, shard_count: int) -> RelayStats:
         """Pending and dead-lettered counts, age of the oldest pending row, lease owners."""
+
+    async def owned_stats(self, shards: Sequence[int]) -> tuple[int, float | None]:
+        """``(rows not yet published, age in seconds of the oldest of them)`` in ``shards``
+        (the shards this relay holds; ``None``: none waiting)."""
+
+    async def schema_report(self) -> SchemaReport:
+        """The tables, columns, schema revision and privileges the relay needs (one short
+        read-only round of catalog queries)."""
 
     async def ping(self) -> None:
         """One round trip to the database."""

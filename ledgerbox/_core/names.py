@@ -17,6 +17,8 @@ __all__ = [
     "H_TIME",
     "H_TYPE",
     "KNOWN_HEADERS",
+    "SCHEMA_REVISION",
+    "SCHEMA_REVISIONS",
 ]
 
 #: Number of virtual shards the key space is cut into. Fixed for the life of a table: a relay
@@ -44,3 +46,10 @@ KNOWN_HEADERS = frozenset(
     {H_ID, H_TYPE, H_SOURCE, H_TIME, H_SPEC, H_CONTENT_TYPE, H_KEY, H_AGG_TYPE, H_AGG_ID}
     | {H_AGG_VERSION}
 )
+
+#: The ledgerbox schema revision this code needs (the head of ``ledgerbox.migrations``), and
+#: every revision in order. Daemons compare ``ledgerbox_alembic_version`` with it at start
+#: (a test keeps it equal to the Alembic head). Here, not in the migrations package, so that
+#: the relay daemon never imports Alembic.
+SCHEMA_REVISIONS = ("0001",)
+SCHEMA_REVISION = SCHEMA_REVISIONS[-1]

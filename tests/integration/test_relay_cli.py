@@ -27,13 +27,17 @@ def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_check_exit_code_follows_health(database_url: str, kafka_bootstrap: str) -> None:
     ok = _cli("check", DATABASE_URL=database_url, KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert ok.stdout.strip() == "relay ok: database ok, kafka ok"
+    assert ok.stdout.strip() == "relay ok: database ok (schema 0001), kafka ok (1 broker)"
     bad = _cli("check", "--kafka-bootstrap-servers", "127.0.0.1:1", DATABASE_URL=database_url)
-    assert bad.returncode == 1
-    assert "kafka FAIL" in bad.stdout and "database ok" in bad.stdout
+    assert bad.returncode == 2
+    (line,) = bad.stdout.strip().splitlines()
+    assert line.startswith("relay down: Kafka is unreachable at 127.0.0.1:1"), line
+    assert "--kafka-bootstrap-servers" in line and "Traceback" not in bad.stderr
 
 
-def test_status_and_run_until_sigterm(engine: Engine, database_url: str) -> None:
+def test_status_and_run_until_sigterm(
+    engine: Engine, database_url: str, kafka_bootstrap: str
+) -> None:
     rs.reset_relay_tables(engine)
     writer = rs.writer_for("cli-status")
     rs.stage(engine, writer, [rs.event(writer, "s1", 1), rs.event(writer, "s2", 1)])
@@ -46,7 +50,7 @@ def test_status_and_run_until_sigterm(engine: Engine, database_url: str) -> None
     assert lines[2] == "dead-lettered: 1"
     assert lines[3] == "shards: no lease rows yet (no relay has started)", lines
 
-    proc = rs.relay_process(database_url, "127.0.0.1:9092", "--relay-id", "cli-run")
+    proc = rs.relay_process(database_url, kafka_bootstrap, "--relay-id", "cli-run")
     try:
         deadline = time.monotonic() + 30
         while "cli-run shards: 0-63 (64)" not in _cli("status", DATABASE_URL=database_url).stdout:

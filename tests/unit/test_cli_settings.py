@@ -86,7 +86,12 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> _Captured:
     return seen
 
 
-def _relay(*args: str, env: dict[str, str] | None = None) -> Any:
+def _relay(*args: str, env: dict[str, str] | None = None, kafka: bool = True) -> Any:
+    """``relay run ARGS``; a Kafka address is added unless ARGS or ENV set one (it is
+    required: no silent localhost default) or ``kafka`` is False."""
+    given = " ".join(args) + " ".join(env or {})
+    if kafka and "kafka-bootstrap" not in given and "KAFKA_BOOTSTRAP" not in given:
+        args = (*args, "--kafka-bootstrap-servers", "k:9092")
     return CliRunner(env=env).invoke(relay_cli.app, ["run", *args])
 
 
@@ -147,7 +152,19 @@ def test_a_flag_wins_over_the_env_and_the_prefixed_env_over_the_well_known(
     assert first.kafka_bootstrap_servers == "known:1"
     assert _relay(env={"DATABASE_URL": "postgresql://well-known/db"}).exit_code == 0
     assert captured.configs[-1].database_url == "postgresql://well-known/db"
-    assert captured.configs[-1].kafka_bootstrap_servers == "127.0.0.1:9092", "CLI default"
+
+
+def test_failsafe_06_the_kafka_address_has_no_silent_default(captured: _Captured) -> None:
+    """Issue 12 line 2/6: an unset Kafka address silently meant 127.0.0.1:9092, so a relay
+    with a forgotten variable talked to the wrong (or no) cluster. It is required now, and
+    the error names every way to set it."""
+    result = _relay(env={"DATABASE_URL": "postgresql://well-known/db"}, kafka=False)
+    assert result.exit_code == 2 and not captured.configs
+    (line,) = result.stderr.strip().splitlines()
+    assert line == (
+        "ledgerbox relay: no Kafka bootstrap servers; set --kafka-bootstrap-servers, "
+        "LEDGERBOX_RELAY_KAFKA_BOOTSTRAP_SERVERS or KAFKA_BOOTSTRAP_SERVERS"
+    )
 
 
 def test_an_empty_variable_counts_as_unset(captured: _Captured) -> None:
@@ -233,7 +250,11 @@ def test_a_deprecated_name_prints_one_line_in_a_real_process() -> None:
         for k, v in os.environ.items()
         if not k.startswith("LEDGERBOX_") and k not in ("DATABASE_URL", "KAFKA_BOOTSTRAP_SERVERS")
     }
-    env.update(LEDGERBOX_RELAY_DB_SCHEMA="app", LEDGERBOX_RELAY_DATABASE_URL=URL)
+    env.update(
+        LEDGERBOX_RELAY_DB_SCHEMA="app",
+        LEDGERBOX_RELAY_DATABASE_URL=URL,
+        KAFKA_BOOTSTRAP_SERVERS="k:9092",
+    )
     done = subprocess.run(
         [sys.executable, "-m", "ledgerbox.relay", "run", "--batch-size", "0"],
         cwd=REPO,
@@ -404,6 +425,8 @@ def test_migrate_settings_use_the_migrate_prefix_and_accept_the_old_names(
 def test_main_hands_hooks_to_the_run_command(captured: _Captured) -> None:
     hooks = RelayHooks()
     with pytest.raises(SystemExit) as done:
-        relay_cli.main(["run", "--database-url", URL], hooks=hooks)
+        relay_cli.main(
+            ["run", "--database-url", URL, "--kafka-bootstrap-servers", "k:9092"], hooks=hooks
+        )
     assert done.value.code == 0
     assert captured.hooks == [hooks]

@@ -7,6 +7,7 @@ import asyncio
 import datetime as dt
 import json
 import uuid
+from typing import Any
 
 import pytest
 from aiokafka.errors import MessageSizeTooLargeError
@@ -292,3 +293,101 @@ async def test_two_relays_split_the_shards_and_take_over_a_dead_ones() -> None:
     assert len(two.owned_shards()) == 64
     assert one.owned_shards() == [], "past its local deadline r1 publishes nothing"
     await two.aclose()
+
+
+class _UnreachablePublisher(InMemoryPublisher):
+    """Kafka at a wrong address: the producer never starts."""
+
+    async def start(self) -> None:
+        from aiokafka.errors import KafkaConnectionError
+
+        raise KafkaConnectionError("Unable to bootstrap from [('127.0.0.1', 1)]")
+
+
+async def test_failsafe_02_a_relay_that_cannot_publish_holds_no_shard_and_no_membership() -> None:
+    """Issue 12 line 2: a relay with a wrong Kafka address acquired half of the shards and
+    held them (their events stuck). It must hold none, and must not count as a member
+    either (a healthy relay's fair share would shrink and leave shards to nobody)."""
+    clock = Clock()
+    db = InMemoryRelayStore("good", clock=clock)
+    rows = [db.add(ev(key, 1)) for key in keys_on_shards(*range(0, 64, 7))]
+    bad = Relay(
+        config(relay_id="bad"),
+        publisher=_UnreachablePublisher(),
+        store_factory=db.factory("bad"),
+        clock=clock,
+    )
+    good = Relay(
+        config(relay_id="good"), publisher=InMemoryPublisher(), store_factory=db.factory(),
+        clock=clock,
+    )  # fmt: skip
+    try:
+        for _ in range(3):
+            assert await bad.run_once() == 0
+            await good.run_once()
+        assert bad.owned_shards() == []
+        assert len(good.owned_shards()) == 64, "the bad relay is not a member"
+        assert {db.status_of(r) for r in rows} == {EventStatus.PUBLISHED}
+        report = bad.health()
+        assert report.state == "down" and report.cause is not None
+        assert report.cause.startswith("kafka: producer start failed: KafkaConnectionError")
+        assert good.health().state == "ok"
+    finally:
+        await bad.aclose()
+        await good.aclose()
+
+
+class _Partitioned(InMemoryPublisher):
+    """A broker this relay can stop reaching (sends time out, metadata requests fail)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reachable = True
+
+    async def check(self) -> None:
+        if not self.reachable:
+            from aiokafka.errors import KafkaConnectionError
+
+            raise KafkaConnectionError("no route")
+
+    async def send_many(self, records: Any) -> Any:
+        if not self.reachable:
+            from aiokafka.errors import KafkaTimeoutError
+
+            self.fail_next_sends(len(records), KafkaTimeoutError())
+        return await super().send_many(records)
+
+
+async def test_failsafe_02_shards_are_released_when_kafka_stays_unreachable_past_the_ttl() -> None:
+    clock = Clock()
+    db = InMemoryRelayStore("r1", clock=clock)
+    publisher = _Partitioned()
+    relay = Relay(
+        config(relay_id="r1"), publisher=publisher, store_factory=db.factory(), clock=clock
+    )
+    key = keys_on_shards(5)[0]
+    try:
+        await relay.run_once()
+        assert len(relay.owned_shards()) == 64
+        publisher.reachable = False
+        db.add(ev(key, 1))
+        await relay.run_once()  # the send fails: Kafka down since now
+        assert relay.health().state == "down"
+        clock.now += 1.0
+        await relay.run_once()
+        assert len(relay.owned_shards()) == 64, "within the TTL the shards are kept"
+        clock.now += 3.0  # past lease_ttl_s (3 s in these tests) without one good send
+        await relay.run_once()
+        assert relay.owned_shards() == [], "released to relays that can publish"
+        assert all(db.lease_of(s)[0] is None for s in range(64))
+        clock.now += 1.0
+        await relay.run_once()
+        assert relay.owned_shards() == [], "still unreachable: nothing acquired"
+        publisher.reachable = True
+        clock.now += 11.0  # past the next probe (backoff_max_s 10)
+        await relay.run_once()  # the probe sees Kafka again, the heartbeat acquires
+        assert len(relay.owned_shards()) == 64 and relay.health().state == "ok"
+        await relay.run_once()
+        assert [r.key for r in publisher.records] == [key.encode()], "sent once Kafka is back"
+    finally:
+        await relay.aclose()

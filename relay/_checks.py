@@ -1,0 +1,199 @@
+"""The relay's startup checks (``ledgerbox relay check`` and the start of ``relay run``).
+
+Each problem is ONE line naming the cause and the fix, and is either *permanent* (the
+settings are wrong: a refused login, a database that does not exist; ``relay run`` exits
+with code 2) or *transient* (something is not there yet or not reachable: the relay starts,
+stays ``down`` with the cause and recovers by itself once it is fixed). Nothing here raises
+for an expected condition (docs/relay.md, "Health").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from ledgerbox._core.faults import Fault
+from ledgerbox._core.names import SCHEMA_REVISION, SCHEMA_REVISIONS
+from ledgerbox.relay._config import RelayConfig
+from ledgerbox.relay._errors import PublishError, StoreError
+from ledgerbox.relay._publisher import KafkaPublisher
+from ledgerbox.relay._store import RelayStore, SchemaReport
+
+__all__ = ["CheckResult", "Problem", "check_relay"]
+
+#: Kafka error kinds that mean "the login was refused" (permanent: wrong credentials).
+_KAFKA_LOGIN = frozenset(
+    {
+        "SaslAuthenticationFailed",
+        "AuthenticationFailedError",
+        "AuthenticationMethodNotSupported",
+        "UnsupportedSaslMechanismError",
+        "IllegalSaslStateError",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing in the way of publishing.
+
+    Attributes
+    ----------
+    permanent : bool
+        The settings are wrong (``relay run`` exits); else it may fix itself or be fixed
+        while the relay runs.
+    line : str
+        ``"<cause>: <fix>"`` in one line, without secrets.
+    """
+
+    permanent: bool
+    line: str
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    """The outcome of :func:`check_relay`: the problems, and what was found healthy."""
+
+    problems: list[Problem]
+    healthy: list[str]
+
+    @property
+    def ok(self) -> bool:
+        """No problem at all."""
+        return not self.problems
+
+
+async def check_relay(
+    config: RelayConfig, store: RelayStore, kafka: KafkaPublisher, *, timeout_s: float = 15.0
+) -> CheckResult:
+    """Check the database (reachable, tables and columns at the expected schema revision,
+    grants, not read-only), Kafka (reachable) and the topics of waiting events (exist, or the
+    brokers create topics).
+
+    Parameters
+    ----------
+    timeout_s : float
+        Bound of each of the database and Kafka checks, in seconds.
+    """
+    problems: list[Problem] = []
+    healthy: list[str] = []
+    pending_topics: list[str] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            await store.ping()
+            report = await store.schema_report()
+    except StoreError as exc:
+        problems.append(_database_problem(exc))
+    except TimeoutError:
+        problems.append(
+            Problem(False, f"the database did not answer within {timeout_s:g} s: check it runs")
+        )
+    else:
+        found = _schema_problems(config, report)
+        problems += found
+        pending_topics = report.pending_topics
+        if not found:
+            healthy.append(f"database ok (schema {report.revision or 'embedded'})")
+    try:
+        async with asyncio.timeout(timeout_s):
+            brokers, topics, auto_create = await kafka.cluster(pending_topics)
+    except PublishError as exc:
+        problems.append(_kafka_problem(config, exc))
+    except TimeoutError:
+        problems.append(
+            Problem(
+                False,
+                f"Kafka at {config.kafka_bootstrap_servers} did not answer within "
+                f"{timeout_s:g} s: start it, or fix --kafka-bootstrap-servers",
+            )
+        )
+    else:
+        healthy.append(f"kafka ok ({brokers} broker{'s' if brokers != 1 else ''})")
+        missing = sorted(set(pending_topics) - topics)
+        if missing and not auto_create:
+            problems.append(
+                Problem(
+                    False,
+                    f"topics {', '.join(missing)} have events waiting but do not exist and "
+                    "the brokers do not create topics: create them",
+                )
+            )
+    return CheckResult(problems, healthy)
+
+
+def _database_problem(exc: StoreError) -> Problem:
+    state = exc.sqlstate or ""
+    if state.startswith("28"):
+        return Problem(
+            True, f"the database refused the login ({exc}): fix the user or password of the "
+            "database URL"
+        )  # fmt: skip
+    if state == "3D000":
+        return Problem(True, f"{exc}: create the database or fix the database URL")
+    if state.startswith("42"):
+        return Problem(False, f"the database refused the check ({exc}): GRANT the relay's role")
+    return Problem(False, f"the database is unreachable ({exc}): start it or fix the URL's host")
+
+
+def _schema_problems(config: RelayConfig, report: SchemaReport) -> list[Problem]:
+    where = f"schema {config.schema}" if config.schema else "the search path"
+    problems: list[Problem] = []
+    if report.missing_tables:
+        problems.append(
+            Problem(
+                False,
+                f"tables {', '.join(report.missing_tables)} do not exist in {where}: run "
+                "`ledgerbox migrate` (or check --schema / --outbox-table)",
+            )
+        )
+        return problems
+    if report.revision is not None and report.revision != SCHEMA_REVISION:
+        if report.revision in SCHEMA_REVISIONS:
+            line = (
+                f"the ledgerbox tables are at schema revision {report.revision}, this relay "
+                f"needs {SCHEMA_REVISION}: run `ledgerbox migrate`"
+            )
+        else:
+            line = (
+                f"the ledgerbox tables are at schema revision {report.revision!r}, which this "
+                f"relay does not know (it needs {SCHEMA_REVISION}): upgrade ledgerbox"
+            )
+        problems.append(Problem(False, line))
+    if report.missing_columns:
+        problems.append(
+            Problem(
+                False,
+                f"columns {', '.join(report.missing_columns)} do not exist: the schema is "
+                "behind this relay: run `ledgerbox migrate` (or the ops of the new revision "
+                "in your own Alembic env, docs/migrations.md)",
+            )
+        )
+    if report.missing_privileges:
+        problems.append(
+            Problem(
+                False,
+                f"the relay's database role lacks {', '.join(report.missing_privileges)}: "
+                "GRANT them (docs/relay.md, 'Health')",
+            )
+        )
+    if report.read_only:
+        problems.append(
+            Problem(
+                False,
+                "the database session is read-only (a replica, or "
+                "default_transaction_read_only): point the relay at the primary",
+            )
+        )
+    return problems
+
+
+def _kafka_problem(config: RelayConfig, exc: PublishError) -> Problem:
+    if exc.kind in _KAFKA_LOGIN:
+        return Problem(True, f"Kafka refused the login ({exc}): fix the Kafka credentials")
+    if exc.fault is Fault.ENVIRONMENT and exc.kind == "TopicAuthorizationFailedError":
+        return Problem(False, f"Kafka refused access ({exc}): grant the relay's principal")
+    return Problem(
+        False,
+        f"Kafka is unreachable at {config.kafka_bootstrap_servers} ({exc}): start it, or fix "
+        "--kafka-bootstrap-servers / KAFKA_BOOTSTRAP_SERVERS",
+    )
