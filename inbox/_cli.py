@@ -3,7 +3,10 @@
 Every flag is mirrored by an environment variable (pydantic-settings), e.g. ``--app`` by
 ``LEDGERBOX_INBOX_APP``; connection URLs also read ``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS``
 and ``REDIS_URL``. ``check`` exit codes: 0 ok, 1 degraded (Redis down, consumers still
-correct), 2 down (PostgreSQL or Kafka unreachable).
+correct), 2 down (PostgreSQL or Kafka unreachable, inbox table missing or behind, privilege,
+read-only database, topics missing); it prints one line naming the cause and the fix
+(:mod:`ledgerbox.inbox._checks`). ``run`` and ``purge`` report an expected refusal in one
+line on stderr and exit 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -19,15 +22,21 @@ import typer
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ledgerbox._core.errors import LedgerboxError
+from ledgerbox.inbox._checks import check_consumer
 from ledgerbox.inbox._config import ConsumerConfig
 from ledgerbox.inbox._consumer import InboxConsumer
-from ledgerbox.inbox._runner import check_connectivity
+from ledgerbox.inbox._health import HEALTH_CODES
 
 __all__ = ["InboxSettings", "app", "load_consumer"]
 
 app = typer.Typer(help="ledgerbox inbox consumer: run handlers, check health, purge.")
 
-_EXIT = {"ok": 0, "degraded": 1, "down": 2}
+
+def _refused(command: str, exc: BaseException) -> typer.Exit:
+    # An expected refusal (settings, credentials, a purge inside the dedup window): one line.
+    typer.echo(f"consumer {command}: {exc}", err=True)
+    return typer.Exit(2)
 
 
 class InboxSettings(BaseSettings):
@@ -105,12 +114,15 @@ def run_command(
     )
     if settings.app is None:
         raise typer.BadParameter("--app (or LEDGERBOX_INBOX_APP) is required")
-    consumer = load_consumer(settings.app)
-    if settings.metrics_port is not None:
-        from prometheus_client import start_http_server
+    try:
+        consumer = load_consumer(settings.app)
+        if settings.metrics_port is not None:
+            from prometheus_client import start_http_server
 
-        start_http_server(settings.metrics_port)
-    asyncio.run(_run(consumer))
+            start_http_server(settings.metrics_port)
+        asyncio.run(_run(consumer))
+    except LedgerboxError as exc:  # invalid settings, refused credentials
+        raise _refused("run", exc) from None
 
 
 @app.command("check")
@@ -120,7 +132,7 @@ def check_command(
     kafka_bootstrap_servers: Annotated[str | None, typer.Option(help="host:port")] = None,
     redis_url: Annotated[str | None, typer.Option(help="redis://...")] = None,
 ) -> None:
-    """Print ok / degraded / down; exit 0 / 1 / 2."""
+    """Print ok / degraded: cause / down: cause (one line with the fix); exit 0 / 1 / 2."""
     settings = _settings(
         app=app_ref,
         database_url=database_url,
@@ -128,7 +140,10 @@ def check_command(
         redis_url=redis_url,
     )
     if settings.app is not None:
-        config = load_consumer(settings.app).config
+        try:
+            config = load_consumer(settings.app).config
+        except LedgerboxError as exc:
+            raise _refused("check", exc) from None
     else:
         if settings.database_url is None or settings.kafka_bootstrap_servers is None:
             raise typer.BadParameter("give --app, or --database-url and --kafka-bootstrap-servers")
@@ -139,9 +154,9 @@ def check_command(
             kafka_bootstrap_servers=settings.kafka_bootstrap_servers,
             redis_url=settings.redis_url,
         )
-    state = asyncio.run(check_connectivity(config))
-    typer.echo(state)
-    raise typer.Exit(_EXIT[state])
+    result = asyncio.run(check_consumer(config, check_topics=settings.app is not None))
+    typer.echo(result.line)
+    raise typer.Exit(HEALTH_CODES[result.state])
 
 
 @app.command("purge")
@@ -151,16 +166,20 @@ def purge_command(
         float | None, typer.Option(help="age in seconds (default: the consumer's retention_s)")
     ] = None,
 ) -> None:
-    """Delete the consumer group's inbox rows older than the dedup window, in small batches."""
+    """Delete the group's inbox rows older than the dedup window whose records Kafka can no
+    longer redeliver, in small batches."""
     settings = _settings(app=app_ref)
     if settings.app is None:
         raise typer.BadParameter("--app (or LEDGERBOX_INBOX_APP) is required")
-    consumer = load_consumer(settings.app)
+    try:
+        consumer = load_consumer(settings.app)
 
-    async def purge() -> int:
-        try:
-            return await consumer.purge(older_than_s)
-        finally:
-            await consumer.aclose()
+        async def purge() -> int:
+            try:
+                return await consumer.purge(older_than_s)
+            finally:
+                await consumer.aclose()
 
-    typer.echo(f"deleted {asyncio.run(purge())} inbox rows")
+        typer.echo(f"deleted {asyncio.run(purge())} inbox rows")
+    except LedgerboxError as exc:  # inside the dedup window, Kafka or the database away
+        raise _refused("purge", exc) from None

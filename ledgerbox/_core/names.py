@@ -17,7 +17,16 @@ __all__ = [
     "H_TIME",
     "H_TYPE",
     "KNOWN_HEADERS",
+    "SCHEMA_REVISION",
+    "SCHEMA_VERSION_TABLE",
 ]
+
+#: Alembic version table of the stand-alone ledgerbox migrations (``ledgerbox migrate``).
+SCHEMA_VERSION_TABLE = "ledgerbox_alembic_version"
+#: The ledgerbox schema revision this code needs (the head of ``ledgerbox.migrations``; a
+#: test keeps the two equal). The consumer's startup check compares it with the version
+#: table when there is one.
+SCHEMA_REVISION = "0001"
 
 #: Number of virtual shards the key space is cut into. Fixed for the life of a table: a relay
 #: owns whole shards, and per-key order holds because a key never changes shard.
