@@ -165,7 +165,12 @@ async def _check_schema(conn: AsyncConnection, config: ConsumerConfig) -> CheckR
     if missing:
         return _down(f"{place} lacks column(s) {', '.join(missing)}: run ledgerbox migrate")
     versions = f"{config.schema}.{SCHEMA_VERSION_TABLE}" if config.schema else SCHEMA_VERSION_TABLE
-    if await conn.scalar(sa.text("SELECT to_regclass(:t)"), {"t": versions}) is not None:
+    readable = sa.text(
+        "SELECT CASE WHEN to_regclass(:t) IS NULL THEN false "
+        "ELSE has_table_privilege(to_regclass(:t), 'SELECT') END"
+    )
+    # A role that may not read the version table: the column check above still guards.
+    if await conn.scalar(readable, {"t": versions}):
         revisions = set((await conn.execute(sa.text(_REVISIONS.format(table=versions)))).scalars())
         if SCHEMA_REVISION not in revisions:
             at = ", ".join(sorted(revisions)) or "none"

@@ -135,8 +135,6 @@ class DeadLetterer:
             event_id, event_type = record_identity(record, event)
             if event_id is not None:
                 await self._record_failure(record, event_id, event_type, error, attempts, abandon)
-            if deps.hooks.after_dead_letter is not None:
-                await deps.hooks.after_dead_letter(record)
         except Abandon:
             return Outcome.ABANDONED
         deps.metrics.dead_lettered.inc()

@@ -34,16 +34,11 @@ class ConsumerHooks:
         and the offset commit (the kill -9 test of G4).
     after_commit : Callable[[Record, Outcome], Awaitable[None]] | None
         Called after the database transaction and before Redis and the offset.
-    after_dead_letter : Callable[[Record], Awaitable[None]] | None
-        Called with a record once its dead-letter record is stored and its inbox row is
-        DEAD_LETTERED, before its offset may move: a hook that never returns leaves the
-        process between the dead-lettering and the offset commit (the kill -9 test of C17).
     """
 
     after_begin: Callable[[HandlerContext[Any]], Awaitable[None]] | None = None
     after_commit: Callable[[Any, Outcome], Awaitable[None]] | None = None
     after_db_commit: Callable[[list[uuid.UUID]], Awaitable[None]] | None = None
-    after_dead_letter: Callable[[Any], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

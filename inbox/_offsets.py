@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from ledgerbox._core.errors import BrokerError
@@ -44,16 +45,19 @@ async def redelivery_bounds(config: ConsumerConfig) -> dict[tuple[str, int], int
         group_id=config.group_id,
         enable_auto_commit=False,
     )
+    admin = AIOKafkaAdminClient(bootstrap_servers=config.kafka_bootstrap_servers)
     try:
         await probe.start()
         if config.assignment:
             partitions = [TopicPartition(t, p) for t, p in config.assignment]
         else:
-            await probe.topics()  # loads the cluster metadata
+            await admin.start()
+            described = await admin.describe_topics(list(config.topics))
             partitions = [
-                TopicPartition(topic, p)
-                for topic in config.topics
-                for p in sorted(probe.partitions_for_topic(topic) or ())
+                TopicPartition(item["topic"], part["partition"])
+                for item in described
+                if item.get("error_code", 0) == 0
+                for part in item.get("partitions", ())
             ]
         committed: dict[TopicPartition, int] = {}
         for tp in partitions:
@@ -69,3 +73,5 @@ async def redelivery_bounds(config: ConsumerConfig) -> dict[tuple[str, int], int
     finally:
         with contextlib.suppress(Exception):
             await probe.stop()
+        with contextlib.suppress(Exception):
+            await admin.close()

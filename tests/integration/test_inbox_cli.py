@@ -30,13 +30,19 @@ def check(*args: str) -> tuple[int, str]:
     return done.returncode, done.stdout.strip()
 
 
+def state(result: tuple[int, str]) -> tuple[int, str]:
+    """``(exit code, the state word)`` of one ``check`` run, which prints ONE line."""
+    code, out = result
+    assert len(out.splitlines()) == 1, out
+    return code, out.split(":", 1)[0]
+
+
 def test_check_ok_degraded_down(database_url: str, kafka_bootstrap: str, redis_url: str) -> None:
     base = ["--database-url", database_url, "--kafka-bootstrap-servers", kafka_bootstrap]
     assert check(*base, "--redis-url", redis_url) == (0, "ok")
     dead_redis = f"redis://127.0.0.1:{free_port()}/0"
-    assert check(*base, "--redis-url", dead_redis) == (1, "degraded")
+    assert state(check(*base, "--redis-url", dead_redis)) == (1, "degraded")
     dead_db = f"postgresql+psycopg://postgres:postgres@127.0.0.1:{free_port()}/app"
-    assert check("--database-url", dead_db, "--kafka-bootstrap-servers", kafka_bootstrap) == (
-        2,
-        "down",
-    )
+    down = check("--database-url", dead_db, "--kafka-bootstrap-servers", kafka_bootstrap)
+    assert state(down) == (2, "down")
+    assert "database at 127.0.0.1" in down[1] and "unreachable" in down[1]
