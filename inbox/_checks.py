@@ -134,16 +134,12 @@ async def _check_database(config: ConsumerConfig, timeout_s: float) -> CheckResu
         if error is None:
             raise
         detail = _detail(error)
-        if error.sqlstate and error.sqlstate.startswith("28"):
+        if _login_refused(exc) or (error.sqlstate or "").startswith("28"):
             return _down(
-                f"database at {where} refused user {url.username!r}: {detail}: "
-                "fix the credentials in database_url",
+                f"database at {where} refused the login of user {url.username!r} to database "
+                f"{url.database!r} (wrong or missing password, or no such database): {detail}: "
+                "fix database_url",
                 permanent=True,
-            )
-        if error.sqlstate == "3D000":
-            return _down(
-                f"database {url.database!r} does not exist at {where}: create it, then run "
-                "ledgerbox migrate"
             )
         return _down(f"database at {where} unreachable: {detail}: start it or fix database_url")
     finally:
@@ -194,6 +190,25 @@ async def _check_schema(conn: AsyncConnection, config: ConsumerConfig) -> CheckR
             f'ALTER DATABASE "{database}" RESET default_transaction_read_only'
         )
     return None
+
+
+def _login_refused(exc: BaseException) -> bool:
+    # libpq says whether the server asked for a password (``needs_password``: none given)
+    # or took ours (``used_password``) before the connection failed: the server answered
+    # and refused this login, which waiting does not fix. (A connection-time error carries
+    # no SQLSTATE in libpq, and the message text is never read.)
+    item: BaseException | None = exc
+    seen = 0
+    while item is not None and seen < 10:
+        pgconn = getattr(item, "pgconn", None)
+        if pgconn is not None:
+            return bool(getattr(pgconn, "used_password", False)) or bool(
+                getattr(pgconn, "needs_password", False)
+            )
+        orig = getattr(item, "orig", None)
+        item = orig if isinstance(orig, BaseException) else item.__cause__
+        seen += 1
+    return False
 
 
 def kafka_start_fault(exc: BaseException, servers: str) -> CheckResult:
