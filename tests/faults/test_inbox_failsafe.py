@@ -368,10 +368,7 @@ async def test_failsafe_01_c15_database_turned_read_only(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     database = make_url(migrated_db).database
-    others = (
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-        f"WHERE datname = '{database}' AND pid <> pg_backend_pid()"  # noqa: S608 (test db)
-    )
+    others = f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{database}' AND pid <> pg_backend_pid()"  # noqa: E501, S608 (the test's database)
 
     def read_only() -> None:
         # A failover onto a read-only node: new connections are read-only, old ones drop.
