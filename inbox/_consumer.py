@@ -226,8 +226,9 @@ class InboxConsumer:
 
         Parse, Redis hint, optional lock, then ONE transaction holding the inbox row and the
         handler's writes; "done" in Redis only after the commit (docs/guarantees.md, G4 and G6).
-        Transient errors are retried with backoff, permanent ones and exhausted retries are
-        dead-lettered.
+        Faults of the environment are retried without bound (health ``down`` meanwhile),
+        transient and undeclared errors up to ``max_attempts``; permanent ones and exhausted
+        retries are dead-lettered (docs/inbox.md, "Errors and retries").
 
         Parameters
         ----------
@@ -240,7 +241,9 @@ class InboxConsumer:
         Returns
         -------
         Outcome
-            ``APPLIED``, ``DUPLICATE``, ``DEAD_LETTERED``, ``IGNORED`` or ``ABANDONED``.
+            ``APPLIED``, ``DUPLICATE``, ``DEAD_LETTERED``, ``ALREADY_DEAD_LETTERED`` (a
+            redelivery or copy of a dead-lettered event: final), ``IGNORED`` or
+            ``ABANDONED``.
         """
         return await self._messages.process(record, abandon or never)
 

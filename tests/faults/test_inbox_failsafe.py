@@ -732,6 +732,81 @@ async def test_failsafe_06_refusals_are_one_line_without_a_traceback(
     assert len(lines) == 1 and "inside the dedup window" in lines[0], lines
 
 
+class LateProxy:
+    """A TCP port that refuses connections until :meth:`open`, then forwards to ``target``
+    (``host:port``): Kafka unreachable at the start, reachable later."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        self.port = free_port()
+        self.server: asyncio.Server | None = None
+
+    async def open(self) -> None:
+        self.server = await asyncio.start_server(self._pipe, "127.0.0.1", self.port)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+
+        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
+
+    async def aclose(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+async def test_failsafe_06_kafka_unreachable_at_start_then_reachable_resumes(
+    database_url: str,
+    engine: Engine,
+    kafka_bootstrap: str,
+    new_topic: Any,
+    running: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    metadata.create_all(engine)
+    caplog.set_level(logging.INFO, logger="ledgerbox.inbox")
+    topic = await new_topic.acreate("fs6c", partitions=1)
+    group = f"fs6c-{uuid.uuid4().hex[:6]}"
+    await produce(kafka_bootstrap, topic, [order_event(topic, f"k{i}") for i in range(3)])
+    proxy = LateProxy(kafka_bootstrap.split(",")[0])
+    consumer = make_consumer(database_url, f"127.0.0.1:{proxy.port}", topic, group, f"{topic}.dlq")
+    try:
+        task = running(consumer)
+
+        def down() -> bool:
+            assert not task.done(), task
+            return consumer.health() == "down"
+
+        await until(down, "health down while Kafka does not answer")
+        assert consumer.health_cause is not None and "kafka" in consumer.health_cause
+        await asyncio.sleep(2)
+        await proxy.open()  # the broker answers now (the bootstrap address did not change)
+
+        async def caught_up() -> bool:
+            assert not task.done(), task
+            return await committed(kafka_bootstrap, group, topic) == 3
+
+        await poll(caught_up, "the 3 records applied once Kafka answers", within_s=90)
+        assert paid(database_url, group) == ["k0", "k1", "k2"]
+        assert consumer.health() == "ok"
+    finally:
+        consumer.stop()
+        await asyncio.wait_for(task, 60)
+        await proxy.aclose()
+    messages = [r.getMessage() for r in caplog.records if group in r.getMessage()]
+    assert len([m for m in messages if " down: " in m]) == 1, messages
+
+
 # --------------------------------------------------------------------------- 9 (C18)
 
 

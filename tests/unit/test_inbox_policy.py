@@ -357,3 +357,15 @@ def test_dead_letter_headers_keep_the_original_and_add_the_reason() -> None:
         [], error=ValueError("x" * 10_000), attempts=1, topic="t", partition=0, offset=0
     )
     assert len(dict(long)["ledgerbox_error_message"]) == 4096
+
+
+def test_schema_revision_is_the_head_of_the_migrations() -> None:
+    # The consumer's startup check compares the version table with SCHEMA_REVISION.
+    from alembic.script import ScriptDirectory
+
+    from ledgerbox import migrations
+    from ledgerbox._core.names import SCHEMA_REVISION, SCHEMA_VERSION_TABLE
+
+    script = ScriptDirectory.from_config(migrations.alembic_config("postgresql://u@h/d"))
+    assert script.get_heads() == [SCHEMA_REVISION]
+    assert migrations.VERSION_TABLE == SCHEMA_VERSION_TABLE
