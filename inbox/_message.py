@@ -163,9 +163,19 @@ class MessagePipeline:
         deps = self.deps
         event_type = event.event_type
         counter = self._unhandled.get(event_type)
+        if counter is None and len(self._unhandled) >= MAX_UNHANDLED_TYPES:
+            counter = self._unhandled.get("_other")  # types past the cap: not remembered
+            if counter is None:
+                counter = UNHANDLED.labels(deps.group_id, "_other")
+                self._unhandled["_other"] = counter
+                _log.warning(
+                    "consumer group %s has seen %d event types without a handler; further "
+                    "ones are counted as event_type='_other' and not logged",
+                    deps.group_id,
+                    MAX_UNHANDLED_TYPES,
+                )
         if counter is None:
-            label = event_type if len(self._unhandled) < MAX_UNHANDLED_TYPES else "_other"
-            counter = UNHANDLED.labels(deps.group_id, label)
+            counter = UNHANDLED.labels(deps.group_id, event_type)
             self._unhandled[event_type] = counter
             _log.warning(
                 "consumer group %s has no handler for event type %r (event %s at %s[%d]@%d): "
