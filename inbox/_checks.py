@@ -232,6 +232,13 @@ async def _check_kafka(
     from aiokafka import AIOKafkaConsumer
 
     servers = config.kafka_bootstrap_servers
+    if not await _any_accepts(servers, timeout_s):
+        # Checked first so that a broker that is away costs no aiokafka client (which logs
+        # an ERROR line of its own for every refused connection).
+        return _down(
+            f"kafka unreachable at {servers}: no bootstrap server accepts connections: "
+            "start it or fix kafka_bootstrap_servers"
+        )
     probe = AIOKafkaConsumer(bootstrap_servers=servers, request_timeout_ms=int(timeout_s * 1000))
     try:
         async with asyncio.timeout(timeout_s + 5):
@@ -252,6 +259,22 @@ async def _check_kafka(
             "does not create topics (auto.create.topics.enable=false): create them"
         )
     return None
+
+
+async def _any_accepts(servers: str, timeout_s: float) -> bool:
+    # A TCP connection to one ``host:port`` of the list; nothing is sent.
+    for item in servers.split(","):
+        host, _, port = item.strip().rpartition(":")
+        try:
+            async with asyncio.timeout(min(timeout_s, 5.0)):
+                _reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+        except (OSError, TimeoutError, ValueError):
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True
+    return False
 
 
 async def _auto_creates_topics(servers: str, timeout_s: float) -> bool:

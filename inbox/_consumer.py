@@ -374,6 +374,7 @@ class InboxConsumer:
             while not self._stop_requested:
                 result = await check_consumer(self.config, check_redis=False)
                 if result.state != "down":
+                    self._health.clear("startup")
                     return
                 if result.permanent:
                     raise StartupError(result.cause)
@@ -382,6 +383,5 @@ class InboxConsumer:
                 delay_s = min(self.config.backoff.ceiling_s(retry), STARTUP_RETRY_MAX_S)
                 await sleep_unless_abandoned(delay_s, lambda: self._stop_requested)
         except Abandon:
-            return
-        finally:
-            self._health.clear("startup")
+            pass
+        self._health.clear("startup", resolved=False)  # stopped while waiting

@@ -119,19 +119,21 @@ class DeadLetterer:
         key = (record.topic, record.partition)
         retry = 0
         try:
-            try:
-                while True:
+            while True:
+                try:
+                    await deps.dead_letters.publish(topic, record.key, record.value, headers)
+                    break
+                except Exception as exc:  # the offset must not move before the DLQ has it
+                    retry += 1
+                    deps.health.fault(key, stall_cause(record, exc))
+                    delay_s = deps.config.backoff.delay_s(min(retry, 30))
                     try:
-                        await deps.dead_letters.publish(topic, record.key, record.value, headers)
-                        break
-                    except Exception as exc:  # the offset must not move before the DLQ has it
-                        retry += 1
-                        deps.health.fault(key, stall_cause(record, exc))
-                        delay_s = deps.config.backoff.delay_s(min(retry, 30))
                         await sleep_unless_abandoned(delay_s, abandon)
-            finally:
-                if retry:
-                    deps.health.clear(key)
+                    except Abandon:
+                        deps.health.clear(key, resolved=False)
+                        raise
+            if retry:
+                deps.health.clear(key)
             event_id, event_type = record_identity(record, event)
             if event_id is not None:
                 await self._record_failure(record, event_id, event_type, error, attempts, abandon)
@@ -182,11 +184,14 @@ class DeadLetterer:
         deps = self.deps
         key = (record.topic, record.partition)
         stalls = transient = 0
+        resolved = False
         try:
             while True:
                 tx = deps.open_tx(True)
                 try:
-                    return await step(tx)
+                    result = await step(tx)
+                    resolved = True
+                    return result
                 except Exception as exc:
                     kind = classify(exc)
                     if kind is Fault.ENVIRONMENT:
@@ -202,6 +207,7 @@ class DeadLetterer:
                             record.offset,
                             exc,
                         )
+                        resolved = True
                         return None
                     delay_s = deps.config.backoff.delay_s(min(stalls + transient, 30))
                     await sleep_unless_abandoned(delay_s, abandon)
@@ -209,4 +215,4 @@ class DeadLetterer:
                     await tx.aclose()
         finally:
             if stalls:
-                deps.health.clear(key)
+                deps.health.clear(key, resolved=resolved)

@@ -47,6 +47,7 @@ class ConsumerHealth:
         self.gate = gate
         self._faults: dict[Hashable, str] = {}
         self._state: Health = "ok"
+        self._resolved = True
         self._gauge = HEALTH.labels(group)
         self._gauge.set(0)
         gate.on_change = self.refresh
@@ -73,9 +74,12 @@ class ConsumerHealth:
         self._faults[key] = cause
         self.refresh()
 
-    def clear(self, key: Hashable) -> None:
-        """The step ``key`` got past its fault (or gave up its work); no-op if none."""
+    def clear(self, key: Hashable, *, resolved: bool = True) -> None:
+        """The step ``key`` got past its fault (``resolved``), or gave its work up without
+        getting past it (``resolved=False``: its partition was revoked, the consumer stops);
+        no-op if ``key`` reported nothing."""
         if self._faults.pop(key, None) is not None:
+            self._resolved = resolved
             self.refresh()
 
     def refresh(self) -> None:
@@ -87,5 +91,11 @@ class ConsumerHealth:
         self._gauge.set(HEALTH_CODES[state])
         if state == "down":
             _log.error("consumer group %s down: %s", self.group, self.cause)
-        elif previous == "down":
+        elif previous == "down" and self._resolved:
             _log.warning("consumer group %s up again (%s)", self.group, state)
+        elif previous == "down":
+            _log.warning(
+                "consumer group %s no longer down here: the stopped work was given up "
+                "(partition revoked or consumer stopping), not fixed",
+                self.group,
+            )

@@ -209,9 +209,9 @@ class MessagePipeline:
                 retry += 1
                 await sleep_unless_abandoned(deps.config.backoff.ceiling_s(min(retry, 30)), abandon)
         except Abandon:
+            deps.health.clear(key, resolved=False)
             return Outcome.ABANDONED
-        finally:
-            deps.health.clear(key)
+        deps.health.clear(key)
         return await self.process(record, abandon, event)
 
     async def _with_retries(
@@ -227,11 +227,14 @@ class MessagePipeline:
         deps = self.deps
         attempt = charged = stalls = 0
         key = (record.topic, record.partition)
+        resolved = False
         try:
             while True:
                 attempt += 1
                 try:
-                    return await self._attempt(registered, event, record, attempt, abandon)
+                    outcome = await self._attempt(registered, event, record, attempt, abandon)
+                    resolved = True
+                    return outcome
                 except Abandon:
                     raise
                 except Exception as exc:
@@ -243,6 +246,7 @@ class MessagePipeline:
                     )
                     if kind is Fault.DUPLICATE:
                         self.metrics.duplicates_db.inc()
+                        resolved = True
                         return Outcome.DUPLICATE
                     if kind is Fault.ENVIRONMENT:
                         stalls += 1
@@ -252,6 +256,7 @@ class MessagePipeline:
                         continue
                     charged += 1
                     if not should_retry(kind, charged, deps.config.max_attempts):
+                        resolved = True  # past the fault; the dead-letterer reports its own
                         return await self.dead_letterer.dead_letter(
                             record, event, exc, charged, abandon
                         )
@@ -271,7 +276,7 @@ class MessagePipeline:
                     await sleep_unless_abandoned(delay_s, abandon)
         finally:
             if stalls:
-                deps.health.clear(key)
+                deps.health.clear(key, resolved=resolved)
 
     async def _attempt(
         self,

@@ -131,6 +131,7 @@ class KafkaRunner:
                 kafka = self._client()
                 try:
                     await kafka.start()
+                    health.clear("kafka")
                     return kafka
                 except (KafkaError, OSError) as exc:
                     with contextlib.suppress(Exception):
@@ -145,7 +146,7 @@ class KafkaRunner:
                     await asyncio.wait_for(self.stopping.wait(), delay_s)
             return None
         finally:
-            health.clear("kafka")
+            health.clear("kafka", resolved=False)  # no-op once started
 
     async def _fetch_loop(self, kafka: AIOKafkaConsumer) -> None:
         high = self.config.max_buffered_records

@@ -29,8 +29,9 @@ log = logging.getLogger("ledgerbox.relay.store")
 # What a Kafka record needs, pre-formatted by PostgreSQL as text where Python would otherwise
 # build objects and stringify them again (measured: record building 17 -> ~3 ms per 1000
 # rows). ``occurred_at_ms`` is computed as ``outbox.timestamp_ms`` does (exact: ``extract``
-# returns numeric since PostgreSQL 14; whole ms rounded toward the past) and ``ce_time`` as ``datetime.isoformat`` prints a UTC time (no fraction
-# when the microseconds are 0), so the records are byte-identical to ``kafka_headers``.
+# returns numeric since PostgreSQL 14; whole ms rounded toward the past) and ``ce_time`` as
+# ``datetime.isoformat`` prints a UTC time (no fraction when the microseconds are 0), so the
+# records are byte-identical to ``kafka_headers``.
 _COLUMNS: LiteralString = (
     "o.id, o.shard, o.topic, o.partition_key, o.payload::text, o.headers::text, "
     "o.event_id::text, o.idempotency_key, o.event_type, o.source, o.aggregate_type, "
