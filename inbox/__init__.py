@@ -29,6 +29,8 @@ from ledgerbox.inbox._errors import (
     InboxError,
     LockBusyError,
     RedisUnavailableError,
+    StartupError,
+    UnhandledEventError,
     VersionConflictError,
 )
 from ledgerbox.inbox._policy import Outcome
@@ -56,6 +58,8 @@ __all__ = [
     "RedisAggregateLock",
     "RedisDedupStore",
     "RedisUnavailableError",
+    "StartupError",
+    "UnhandledEventError",
     "VersionConflictError",
     "afenced_update",
     "aupdate_versioned",

@@ -2,7 +2,8 @@
 
 Runs of up to ``batch_max_records`` parseable records whose handlers are of one kind (async
 or sync) are applied in ONE transaction: one inbox insert for all of them, the handlers of the
-newly inserted events in offset order, one commit. Any error rolls the whole run back and its
+newly inserted events in offset order, one commit (events whose row is DEAD_LETTERED are
+acknowledged without their handler, C17). Any error rolls the whole run back and its
 records go through the per-message path (:mod:`inbox._message`) one by one, with its retries
 and dead-lettering, so the guarantees are those of one message.
 """
@@ -19,13 +20,14 @@ from ledgerbox.inbox._context import HandlerContext
 from ledgerbox.inbox._deps import PipelineDeps
 from ledgerbox.inbox._handlers import Registered
 from ledgerbox.inbox._message import MessagePipeline
-from ledgerbox.inbox._policy import Outcome
+from ledgerbox.inbox._policy import Outcome, delivery_outcome
 from ledgerbox.inbox._record import Parsed, Record, parse_record, record_timestamp_ms
 from ledgerbox.outbox import EventEnvelope
 
 __all__ = ["BatchPipeline"]
 
 _log = logging.getLogger("ledgerbox.inbox")
+DEAD = Outcome.ALREADY_DEAD_LETTERED
 
 
 class BatchPipeline:
@@ -125,6 +127,14 @@ class BatchPipeline:
             claimed = await deps.store.claim_many(
                 tx, [(e.event_id, e.event_type, r) for _k, e, r in todo]
             )
+            if len(claimed) < len(todo):  # the duplicate path only: which rows are final
+                others = [e.event_id for _k, e, _r in todo if e.event_id not in claimed]
+                found = await deps.store.statuses(tx, others)
+                for k, event, _record in todo:
+                    if event.event_id not in claimed:
+                        outcome = delivery_outcome(found.get(event.event_id))
+                        if outcome is Outcome.ALREADY_DEAD_LETTERED:
+                            outcomes[k] = outcome
             for k, event, record in todo:
                 if event.event_id not in claimed:
                     continue
@@ -153,14 +163,19 @@ class BatchPipeline:
         applied = [events[k].event_id for k, _e, _r in todo if outcomes[k] is Outcome.APPLIED]
         for _ in applied:
             metrics.handler_duration.observe(elapsed_s / len(todo))
+        final = [events[k].event_id for k, _e, _r in todo if outcomes[k] is DEAD]
         metrics.processed.inc(len(applied))
-        metrics.duplicates_db.inc(len(todo) - len(applied))
+        metrics.duplicates_dead_lettered.inc(len(final))
+        metrics.duplicates_db.inc(len(todo) - len(applied) - len(final))
         if applied and deps.hooks.after_db_commit is not None:
             await deps.hooks.after_db_commit(applied)
         if deps.hooks.after_commit is not None:
             for record, outcome in zip(records, outcomes, strict=True):
                 await deps.hooks.after_commit(record, outcome)
         if dedup is not None:
+            # Not for dead-lettered events: a "done" hint would hide their replay.
+            dead = {e.event_id for e, o in zip(events, outcomes, strict=True) if o is DEAD}
+            done_ids = [i for i in ids if i not in dead] if dead else ids
             ttl_s = deps.config.dedup_ttl_s
-            await deps.gate.call(lambda: dedup.mark_done_many(group, ids, ttl_s), None)
+            await deps.gate.call(lambda: dedup.mark_done_many(group, done_ids, ttl_s), None)
         return outcomes

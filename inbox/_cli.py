@@ -5,7 +5,10 @@ Every flag is mirrored by an environment variable with the prefix ``LEDGERBOX_CO
 ``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS`` and ``REDIS_URL`` (the prefixed one wins). The
 former prefix ``LEDGERBOX_INBOX_`` works for one release, with a warning. The mechanism:
 :mod:`ledgerbox._core.settings`; the table: docs/configuration.md. ``check`` exit codes: 0 ok,
-1 degraded (Redis down, consumers still correct), 2 down (PostgreSQL or Kafka unreachable).
+1 degraded (Redis down, consumers still correct), 2 down (PostgreSQL or Kafka unreachable,
+inbox table missing or behind, privilege, read-only database, topics missing); it prints one
+line naming the cause and the fix (:mod:`ledgerbox.inbox._checks`). ``run`` and ``purge``
+report an expected refusal in one line on stderr and exit 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 import typer
 
+from ledgerbox._core.errors import LedgerboxError
 from ledgerbox._core.settings import (
     CommandSettings,
     Setting,
@@ -25,15 +29,21 @@ from ledgerbox._core.settings import (
     Values,
     configure_logging,
 )
+from ledgerbox.inbox._checks import check_consumer
 from ledgerbox.inbox._config import ConsumerConfig
 from ledgerbox.inbox._consumer import InboxConsumer
-from ledgerbox.inbox._runner import check_connectivity
+from ledgerbox.inbox._health import HEALTH_CODES
 
 __all__ = ["CONSUMER_SETTINGS", "app", "load_consumer"]
 
 app = typer.Typer(help="ledgerbox inbox consumer: run handlers, check health, purge.")
 
-_EXIT = {"ok": 0, "degraded": 1, "down": 2}
+
+def _refused(command: str, exc: BaseException) -> typer.Exit:
+    # An expected refusal (settings, credentials, a purge inside the dedup window): one line.
+    typer.echo(f"ledgerbox consumer {command}: {exc}", err=True)
+    return typer.Exit(2)
+
 
 #: Every setting of ``ledgerbox consumer``.
 CONSUMER_SETTINGS = CommandSettings(
@@ -120,21 +130,27 @@ async def _run(consumer: InboxConsumer) -> None:
 def run_command(values: Values, ctx: typer.Context) -> None:
     """Run the consumer until SIGTERM/SIGINT; in-flight records finish, offsets commit."""
     configure_logging(CONSUMER_SETTINGS, values["log_level"])
-    consumer = load_consumer(_require_app(values))
-    if values["metrics_port"] is not None:
-        from prometheus_client import start_http_server
+    try:
+        consumer = load_consumer(_require_app(values))
+        if values["metrics_port"] is not None:
+            from prometheus_client import start_http_server
 
-        start_http_server(values["metrics_port"])
-    asyncio.run(_run(consumer))
+            start_http_server(values["metrics_port"])
+        asyncio.run(_run(consumer))
+    except LedgerboxError as exc:  # invalid settings, refused credentials
+        raise _refused("run", exc) from None
 
 
 @CONSUMER_SETTINGS.typer_command(
     app, "check", ["app", "database_url", "kafka_bootstrap_servers", "redis_url"]
 )
 def check_command(values: Values, ctx: typer.Context) -> None:
-    """Print ok / degraded / down; exit 0 / 1 / 2."""
+    """Print ok / degraded: cause / down: cause (one line with the fix); exit 0 / 1 / 2."""
     if values["app"] is not None:
-        config = load_consumer(values["app"]).config
+        try:
+            config = load_consumer(values["app"]).config
+        except LedgerboxError as exc:
+            raise _refused("check", exc) from None
     else:
         for name in ("database_url", "kafka_bootstrap_servers"):
             if values[name] is None:
@@ -151,20 +167,24 @@ def check_command(values: Values, ctx: typer.Context) -> None:
             kafka_bootstrap_servers=values["kafka_bootstrap_servers"],
             redis_url=values["redis_url"],
         )
-    state = asyncio.run(check_connectivity(config))
-    typer.echo(state)
-    raise typer.Exit(_EXIT[state])
+    result = asyncio.run(check_consumer(config, check_topics=values["app"] is not None))
+    typer.echo(result.line)
+    raise typer.Exit(HEALTH_CODES[result.state])
 
 
 @CONSUMER_SETTINGS.typer_command(app, "purge", ["app", "older_than_s"])
 def purge_command(values: Values, ctx: typer.Context) -> None:
-    """Delete the consumer group's inbox rows older than the dedup window, in small batches."""
-    consumer = load_consumer(_require_app(values))
+    """Delete the group's inbox rows older than the dedup window whose records Kafka can no
+    longer redeliver, in small batches."""
+    try:
+        consumer = load_consumer(_require_app(values))
 
-    async def purge() -> int:
-        try:
-            return await consumer.purge(values["older_than_s"])
-        finally:
-            await consumer.aclose()
+        async def purge() -> int:
+            try:
+                return await consumer.purge(values["older_than_s"])
+            finally:
+                await consumer.aclose()
 
-    typer.echo(f"deleted {asyncio.run(purge())} inbox rows")
+        typer.echo(f"deleted {asyncio.run(purge())} inbox rows")
+    except LedgerboxError as exc:  # inside the dedup window, Kafka or the database away
+        raise _refused("purge", exc) from None

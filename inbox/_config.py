@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ledgerbox._core.backoff import Backoff
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import sql_identifier
 
-__all__ = ["DEFAULT_RETENTION_S", "ConsumerConfig", "RetentionWarning"]
+__all__ = ["DEFAULT_RETENTION_S", "ConsumerConfig", "OnUnhandled"]
 
 #: Default dedup window (inbox retention) and Kafka's default ``offsets.retention.minutes``
 #: (7 days): a redelivery can come back as long as the group's committed offsets live.
 DEFAULT_RETENTION_S = 7 * 24 * 3600.0
 
-_log = logging.getLogger("ledgerbox.inbox")
-
-
-class RetentionWarning(UserWarning):
-    """The inbox retention is shorter than the consumer group's redelivery horizon."""
+#: What a consumer does with an event whose type has no handler.
+OnUnhandled = Literal["ignore", "dead_letter", "fail"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +43,27 @@ class ConsumerConfig:
     lock_aggregates : bool
         Take a per-aggregate Redis lock around each message (needs ``redis_url``).
     max_attempts : int
-        Attempts per message before it is dead-lettered (transient errors only; >= 1).
+        Attempts per message before it is dead-lettered (>= 1). Only attempts that failed
+        for the message count (transient errors, undeclared handler exceptions); faults of
+        the environment are retried without bound and never count (docs/inbox.md,
+        "Errors and retries").
+    retry_on : Sequence[type[BaseException]]
+        Exception types a handler may raise that are worth retrying (up to
+        ``max_attempts``). They may also make a database error of the data retryable, e.g.
+        ``psycopg.errors.ForeignKeyViolation`` for a parent row that arrives later.
+    dead_letter_on : Sequence[type[BaseException]]
+        Exception types that mean the event can never be applied: dead-lettered after one
+        attempt. An exception type in neither list is retried up to ``max_attempts``, then
+        dead-lettered. Neither list can make a fault of the environment (connection,
+        schema, privilege, read-only...) dead-letter an event, nor a serialization failure
+        or version conflict skip its retries. The most specific listed class wins; a class
+        in both lists is refused.
+    on_unhandled : "ignore" | "dead_letter" | "fail"
+        An event whose type has no handler: ``"ignore"`` (default) acknowledges it, with one
+        WARNING per type and the counter ``ledgerbox_inbox_unhandled_total``;
+        ``"dead_letter"`` sends it to the dead-letter topic (:class:`inbox.UnhandledEventError`);
+        ``"fail"`` stops its partition like a fault of the environment (health ``down``
+        naming the type) until a handler for it is registered.
     dedup_ttl_s : float
         TTL of the Redis "done" key, in seconds (default 1 day). A hint only: after it
         expires the DB inbox still recognises the duplicate.
@@ -60,10 +76,13 @@ class ConsumerConfig:
     lock_wait_ms : int | None
         How long to wait for a taken lock before a retry, in ms; ``None``: ``lock_ttl_ms``.
     retention_s : float
-        Dedup window: inbox rows younger than this are never purged (default 7 days).
+        Dedup window: inbox rows younger than this are never purged (default 7 days). Must
+        be at least ``offset_retention_s``. Purge also keeps every row whose record Kafka can
+        still redeliver to the group (docs/inbox.md, "Retention").
     offset_retention_s : float
-        The group's redelivery horizon (Kafka ``offsets.retention.minutes``, default 7 days);
-        a ``retention_s`` below it warns (:class:`RetentionWarning`).
+        The group's redelivery horizon: how long the broker keeps the committed offsets of a
+        group that stopped (Kafka ``offsets.retention.minutes``, default 7 days). A
+        ``retention_s`` below it is refused.
     retry_base_s, retry_max_s : float
         Exponential backoff with full jitter between attempts, in seconds.
     redis_timeout_s : float
@@ -105,6 +124,9 @@ class ConsumerConfig:
     dead_letter_topic: str | None = None
     lock_aggregates: bool = False
     max_attempts: int = 5
+    retry_on: Sequence[type[BaseException]] = ()
+    dead_letter_on: Sequence[type[BaseException]] = ()
+    on_unhandled: OnUnhandled = "ignore"
     dedup_ttl_s: float = 86400.0
     in_progress_ttl_ms: int | None = 5000
     lock_ttl_ms: int = 10000
@@ -160,14 +182,31 @@ class ConsumerConfig:
         object.__setattr__(self, "_backoff", Backoff(self.retry_base_s, self.retry_max_s))
         if self.assignment is not None:
             object.__setattr__(self, "assignment", tuple((t, int(p)) for t, p in self.assignment))
+        if self.offset_retention_s <= 0:
+            raise ConfigurationError(
+                f"offset_retention_s must be > 0, got {self.offset_retention_s}"
+            )
         if self.retention_s < self.offset_retention_s:
-            message = (
+            raise ConfigurationError(
                 f"inbox retention_s={self.retention_s:g} is shorter than the group's "
                 f"offset_retention_s={self.offset_retention_s:g}: an event redelivered after "
-                "its inbox row was purged would be applied again"
+                "its inbox row was purged would be applied again; raise retention_s"
             )
-            _log.warning(message)
-            warnings.warn(message, RetentionWarning, stacklevel=3)
+        if self.on_unhandled not in ("ignore", "dead_letter", "fail"):
+            raise ConfigurationError(
+                f"on_unhandled must be 'ignore', 'dead_letter' or 'fail', got {self.on_unhandled!r}"
+            )
+        for name in ("retry_on", "dead_letter_on"):
+            given = getattr(self, name)
+            types_ = (given,) if isinstance(given, type) else tuple(given)
+            for item in types_:
+                if not (isinstance(item, type) and issubclass(item, BaseException)):
+                    raise ConfigurationError(f"{name} must hold exception types, got {item!r}")
+            object.__setattr__(self, name, types_)
+        both = set(self.retry_on) & set(self.dead_letter_on)
+        if both:
+            names = ", ".join(sorted(t.__qualname__ for t in both))
+            raise ConfigurationError(f"{names} cannot be in both retry_on and dead_letter_on")
 
     @property
     def backoff(self) -> Backoff:

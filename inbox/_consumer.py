@@ -9,31 +9,39 @@ sees the consumer itself.
 
 Offsets are committed only for records that finished (applied, duplicate, ignored) or were
 dead-lettered. Partitions run concurrently (one task each), records of one partition strictly
-in order.
+in order. A fault of the environment stops a partition without blaming its record (health
+``down``, :mod:`inbox._health`); :meth:`InboxConsumer.run` waits for the startup checks
+(:mod:`inbox._checks`) before it consumes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import types
+import uuid
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from ledgerbox._core.errors import ConfigurationError
 from ledgerbox.inbox._batch import BatchPipeline
+from ledgerbox.inbox._checks import check_consumer
 from ledgerbox.inbox._config import ConsumerConfig
 from ledgerbox.inbox._deadletter import DeadLetterPublisher, KafkaDeadLetterPublisher
 from ledgerbox.inbox._deadletterer import DeadLetterer
 from ledgerbox.inbox._deps import PipelineDeps
+from ledgerbox.inbox._errors import StartupError
 from ledgerbox.inbox._gate import RedisGate
 from ledgerbox.inbox._handlers import ConsumerHooks, Handler, Registered
+from ledgerbox.inbox._health import ConsumerHealth, Health
 from ledgerbox.inbox._message import MessagePipeline
 from ledgerbox.inbox._metrics import GroupMetrics
+from ledgerbox.inbox._offsets import redelivery_bounds
 from ledgerbox.inbox._policy import Outcome
-from ledgerbox.inbox._record import Record, never
+from ledgerbox.inbox._record import Abandon, Record, never, sleep_unless_abandoned
 from ledgerbox.inbox._redis import (
     AggregateLock,
     DedupStore,
@@ -44,11 +52,14 @@ from ledgerbox.inbox._redis import (
 from ledgerbox.inbox._runner import KafkaRunner
 from ledgerbox.inbox._store import InboxStore
 from ledgerbox.inbox._table import InboxTable
-from ledgerbox.inbox._tx import AsyncTx, SyncTx, Tx
+from ledgerbox.inbox._tx import AsyncTx, SyncTx, Tx, discard_on_environment_faults
 
 __all__ = ["ConsumerHooks", "Handler", "InboxConsumer", "Record"]
 
-Health = Literal["ok", "degraded"]
+_log = logging.getLogger("ledgerbox.inbox")
+
+#: Longest wait between two startup checks while one fails, in seconds.
+STARTUP_RETRY_MAX_S = 5.0
 
 
 class InboxConsumer:
@@ -66,7 +77,10 @@ class InboxConsumer:
     dead_letters : DeadLetterPublisher | None
         Default: Kafka on ``config.kafka_bootstrap_servers``.
     engine, async_engine : Engine | None, AsyncEngine | None
-        Database engines; default: built from ``config.database_url``.
+        Database engines; default: built from ``config.database_url``. The consumer's own
+        engines discard a connection whose statement failed for a fault of the environment
+        (``inbox._tx.discard_on_environment_faults``); call that on engines you pass in for
+        the same recovery after a read-only spell.
     hooks : ConsumerHooks | None
         Test-only fault injection.
 
@@ -106,6 +120,7 @@ class InboxConsumer:
         self.lock = lock
         self.dead_letters = dead_letters or KafkaDeadLetterPublisher(config.kafka_bootstrap_servers)
         self.gate = RedisGate(config.group_id, config.redis_probe_interval_s)
+        self._health = ConsumerHealth(config.group_id, self.gate)
         self.hooks = hooks or ConsumerHooks()
         self._engine = engine
         self._async_engine = async_engine
@@ -123,6 +138,7 @@ class InboxConsumer:
             gate=self.gate,
             dead_letters=self.dead_letters,
             metrics=GroupMetrics(config.group_id),
+            health=self._health,
             hooks=self.hooks,
             open_tx=self._open_tx,
         )
@@ -135,7 +151,7 @@ class InboxConsumer:
         """Decorator registering ``fn(ctx, event)`` for ``event_type``.
 
         Async functions get an ``AsyncSession``; plain functions get a sync ``Session`` and
-        run in a worker thread. Events without a handler are acknowledged and ignored.
+        run in a worker thread. Events without a handler: ``config.on_unhandled``.
         """
 
         def register(fn: Handler) -> Handler:
@@ -157,6 +173,7 @@ class InboxConsumer:
         """The async engine (built on first use)."""
         if self._async_engine is None:
             self._async_engine = create_async_engine(self.config.database_url)
+            discard_on_environment_faults(self._async_engine.sync_engine)
         return self._async_engine
 
     @property
@@ -164,6 +181,7 @@ class InboxConsumer:
         """The sync engine for sync handlers (built on first use)."""
         if self._engine is None:
             self._engine = create_engine(self.config.database_url)
+            discard_on_environment_faults(self._engine)
         return self._engine
 
     def _open_tx(self, is_async: bool) -> Tx:
@@ -184,8 +202,20 @@ class InboxConsumer:
             self._engine = None
 
     def health(self) -> Health:
-        """``"degraded"`` while Redis is unreachable (the DB path carries on), else ``"ok"``."""
-        return "degraded" if self.gate.degraded else "ok"
+        """``"down"`` while a fault of the environment stops progress (a partition, the
+        startup checks or the Kafka connection; :attr:`health_cause` says why), else
+        ``"degraded"`` while Redis is unreachable (the DB path carries on), else ``"ok"``.
+
+        Exported as the gauge ``ledgerbox_inbox_health{group}`` (0 / 1 / 2); each change is
+        logged once.
+        """
+        return self._health.state
+
+    @property
+    def health_cause(self) -> str | None:
+        """One line naming why :meth:`health` is ``"down"`` and how to fix it (the oldest
+        fault still in force), or ``None`` when it is not down."""
+        return self._health.cause
 
     # -- records ------------------------------------------------------------------------
 
@@ -196,8 +226,9 @@ class InboxConsumer:
 
         Parse, Redis hint, optional lock, then ONE transaction holding the inbox row and the
         handler's writes; "done" in Redis only after the commit (docs/guarantees.md, G4 and G6).
-        Transient errors are retried with backoff, permanent ones and exhausted retries are
-        dead-lettered.
+        Faults of the environment are retried without bound (health ``down`` meanwhile),
+        transient and undeclared errors up to ``max_attempts``; permanent ones and exhausted
+        retries are dead-lettered (docs/inbox.md, "Errors and retries").
 
         Parameters
         ----------
@@ -210,7 +241,9 @@ class InboxConsumer:
         Returns
         -------
         Outcome
-            ``APPLIED``, ``DUPLICATE``, ``DEAD_LETTERED``, ``IGNORED`` or ``ABANDONED``.
+            ``APPLIED``, ``DUPLICATE``, ``DEAD_LETTERED``, ``ALREADY_DEAD_LETTERED`` (a
+            redelivery or copy of a dead-lettered event: final), ``IGNORED`` or
+            ``ABANDONED``.
         """
         return await self._messages.process(record, abandon or never)
 
@@ -235,13 +268,21 @@ class InboxConsumer:
     # -- retention ------------------------------------------------------------------------
 
     async def purge(self, older_than_s: float | None = None, *, batch_size: int = 1000) -> int:
-        """Delete this group's inbox rows older than the dedup window, in short batches (G8).
+        """Delete this group's inbox rows that can no longer catch a redelivery, in short
+        batches (G8, C18).
+
+        A row goes only when (a) it was first seen more than ``older_than_s`` ago and (b) its
+        record is below the group's committed offset of its partition, read from Kafka now
+        (with ``auto_offset_reset="earliest"`` also below the partition's log-start offset:
+        a group whose offsets were lost rereads the whole log). A partition without a
+        committed offset, a row of a topic this consumer no longer reads and a row without
+        an offset are kept (docs/inbox.md, "Retention").
 
         Parameters
         ----------
         older_than_s : float | None
             Age limit in seconds; ``None``: ``config.retention_s``. Must not be shorter than
-            ``config.retention_s``: a younger row may still catch a redelivery.
+            ``config.retention_s``: a younger row may still catch a copy of its event.
         batch_size : int
             Rows per transaction.
 
@@ -249,21 +290,45 @@ class InboxConsumer:
         -------
         int
             Rows deleted.
-        """
-        from ledgerbox._core.errors import ConfigurationError
 
+        Raises
+        ------
+        ledgerbox.ConfigurationError
+            If ``older_than_s`` is inside the dedup window.
+        ledgerbox.BrokerError
+            If Kafka cannot say the committed offsets (nothing is deleted).
+        ledgerbox.DatabaseError
+            If a delete failed (the batches before it stay deleted).
+        """
         age_s = self.config.retention_s if older_than_s is None else older_than_s
         if age_s < self.config.retention_s:
             raise ConfigurationError(
                 f"purge older_than_s={age_s:g} is inside the dedup window "
-                f"retention_s={self.config.retention_s:g}"
+                f"retention_s={self.config.retention_s:g}: give at least that"
             )
+        bounds = await redelivery_bounds(self.config)
         total = 0
         while True:
-            deleted = await self.store.purge_batch(self.async_engine, age_s, batch_size)
+            deleted = await self.store.purge_batch(self.async_engine, age_s, bounds, batch_size)
             total += deleted
             if deleted < batch_size:
                 return total
+
+    async def request_replay(self, event_ids: Sequence[uuid.UUID]) -> int:
+        """Ask for dead-lettered events to run again: their DEAD_LETTERED inbox rows become
+        REPLAY_REQUESTED, and the next delivery of each runs its handler (the operator's
+        replay hook; docs/inbox.md, "A dead-lettered event is final").
+
+        This does not deliver anything: the replay command re-publishes the records (or
+        moves the group's offset back). Returns how many rows were marked (rows in any
+        other state are left alone).
+
+        Raises
+        ------
+        ledgerbox.DatabaseError
+            If the update failed (nothing was marked).
+        """
+        return await self.store.request_replay(self.async_engine, list(event_ids))
 
     # -- the Kafka loop -------------------------------------------------------------------
 
@@ -276,16 +341,47 @@ class InboxConsumer:
     async def run(self) -> None:
         """Consume until :meth:`stop`. Offsets commit only for finished records.
 
-        Partitions are processed concurrently, each strictly in order; on a rebalance the
-        revoked partitions' in-flight records finish and their offsets commit before the
-        partitions are given up. Resources this consumer created are released at the end.
+        First the startup checks (:func:`inbox._checks.check_consumer`): while one fails for
+        a reason that may pass (database or Kafka unreachable, inbox table missing, no
+        privilege, read-only), health is ``down`` with the cause and the check is retried
+        with backoff (at most :data:`STARTUP_RETRY_MAX_S` apart), one log line per change.
+        Partitions are then processed concurrently, each strictly in order; on a rebalance
+        the revoked partitions' in-flight records finish and their offsets commit before
+        the partitions are given up. Resources this consumer created are released at the
+        end.
+
+        Raises
+        ------
+        StartupError
+            When the database or Kafka refused the credentials (waiting cannot fix it).
         """
-        runner = KafkaRunner(self._deps, self.process_batch)
-        self._runner = runner
-        if self._stop_requested:
-            runner.stop()
         try:
+            await self._until_ready()
+            if self._stop_requested:
+                return
+            runner = KafkaRunner(self._deps, self.process_batch)
+            self._runner = runner
+            if self._stop_requested:
+                runner.stop()
             await runner.run()
         finally:
             self._runner = None
             await self.aclose()
+
+    async def _until_ready(self) -> None:
+        retry = 0
+        try:
+            while not self._stop_requested:
+                result = await check_consumer(self.config, check_redis=False)
+                if result.state != "down":
+                    self._health.clear("startup")
+                    return
+                if result.permanent:
+                    raise StartupError(result.cause)
+                self._health.fault("startup", result.cause or "startup check failed")
+                retry += 1
+                delay_s = min(self.config.backoff.ceiling_s(retry), STARTUP_RETRY_MAX_S)
+                await sleep_unless_abandoned(delay_s, lambda: self._stop_requested)
+        except Abandon:
+            pass
+        self._health.clear("startup", resolved=False)  # stopped while waiting

@@ -15,6 +15,7 @@ from ledgerbox.inbox._config import ConsumerConfig
 from ledgerbox.inbox._deadletter import DeadLetterPublisher
 from ledgerbox.inbox._gate import RedisGate
 from ledgerbox.inbox._handlers import ConsumerHooks, Registered
+from ledgerbox.inbox._health import ConsumerHealth
 from ledgerbox.inbox._metrics import GroupMetrics
 from ledgerbox.inbox._redis import AggregateLock, DedupStore
 from ledgerbox.inbox._store import InboxStore
@@ -37,7 +38,7 @@ class PipelineDeps:
         The inbox's storage seam for this group.
     handlers : Mapping[str, Registered]
         Registered handlers by event type: a read-only live view, so that handlers
-        registered after the consumer was built are seen. No entry: the event is ignored.
+        registered after the consumer was built are seen. No entry: ``config.on_unhandled``.
     dedup : DedupStore | None
         The Redis fast-path store; ``None``: the database alone decides.
     lock : AggregateLock | None
@@ -48,6 +49,8 @@ class PipelineDeps:
         Where poison records go.
     metrics : GroupMetrics
         The group's metric series.
+    health : ConsumerHealth
+        Where a step reports a fault of the environment that stops it (health ``down``).
     hooks : ConsumerHooks
         Test-only fault injection (every hook unset in production).
     open_tx : Callable[[bool], Tx]
@@ -64,5 +67,6 @@ class PipelineDeps:
     gate: RedisGate
     dead_letters: DeadLetterPublisher
     metrics: GroupMetrics
+    health: ConsumerHealth
     hooks: ConsumerHooks
     open_tx: Callable[[bool], Tx]

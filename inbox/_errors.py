@@ -19,6 +19,8 @@ __all__ = [
     "InboxError",
     "LockBusyError",
     "RedisUnavailableError",
+    "StartupError",
+    "UnhandledEventError",
     "VersionConflictError",
 ]
 
@@ -97,5 +99,33 @@ class RedisUnavailableError(InboxError):
 class DeadLetterError(InboxError, BrokerError):
     """The dead-letter record could not be written to Kafka (``fault``, ``kind``: see
     :class:`ledgerbox.BrokerError`); the offset is not committed and the send is retried."""
+
+    __module__ = "ledgerbox.inbox"
+
+
+class UnhandledEventError(InboxError):
+    """No handler is registered for an event's type (``ConsumerConfig.on_unhandled``):
+    the reason a record is dead-lettered under ``on_unhandled="dead_letter"``, and the
+    cause of health ``down`` under ``on_unhandled="fail"``.
+
+    Attributes
+    ----------
+    event_type : str
+        The type that has no handler.
+    """
+
+    __module__ = "ledgerbox.inbox"
+
+    def __init__(self, event_type: str) -> None:
+        super().__init__(f"no handler registered for event type {event_type!r}")
+        self.event_type = event_type
+
+
+class StartupError(InboxError):
+    """A consumer cannot start for a reason that waiting will not fix (invalid settings,
+    credentials refused). The message is one line: the cause and the fix. Faults that may
+    pass by themselves (an unreachable database or broker, a table not yet migrated) never
+    raise this: :meth:`ledgerbox.inbox.InboxConsumer.run` waits for them (health ``down``).
+    """
 
     __module__ = "ledgerbox.inbox"

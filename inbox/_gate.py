@@ -48,6 +48,8 @@ class RedisGate:
         self.degraded = False
         self._retry_at = 0.0
         self.outages = 0
+        #: Called after each change of :attr:`degraded` (the consumer's health listens).
+        self.on_change: Callable[[], None] | None = None
         REDIS_DEGRADED.labels(group).set(0)
 
     def usable(self) -> bool:
@@ -79,6 +81,8 @@ class RedisGate:
                 self.group,
                 exc,
             )
+            if self.on_change is not None:
+                self.on_change()
 
     def succeeded(self) -> None:
         """Record a success; ends an outage."""
@@ -86,6 +90,8 @@ class RedisGate:
             self.degraded = False
             REDIS_DEGRADED.labels(self.group).set(0)
             _log.warning("redis reachable again, consumer group %s uses it again", self.group)
+            if self.on_change is not None:
+                self.on_change()
 
     async def probe(self, ping: Callable[[], Awaitable[None]]) -> None:
         """While degraded and due, try ``ping`` so that health recovers without traffic."""

@@ -13,8 +13,12 @@ Steps for one record:
 5. only then: release the lock, "done" in Redis (our marker is then left to expire, else it
    is deleted); the caller marks the offset committable.
 
-Transient failures rerun the whole transaction with backoff; permanent ones and exhausted
-retries are dead-lettered (:mod:`ledgerbox.inbox._deadletterer`).
+Whose fault is it (docs/guarantees.md): a fault of the environment (database away, schema
+missing, privilege, read-only...) stops the partition here, retried with backoff and without
+bound, health ``down`` with its cause, and never counts as an attempt of the message;
+transient failures rerun the whole transaction with backoff up to ``max_attempts``;
+permanent ones and exhausted retries are dead-lettered (:mod:`ledgerbox.inbox._deadletterer`).
+An event whose row is DEAD_LETTERED is final: acknowledged without running its handler (C17).
 """
 
 from __future__ import annotations
@@ -28,11 +32,17 @@ from typing import Any
 
 from ledgerbox._core.faults import Fault
 from ledgerbox.inbox._context import HandlerContext
-from ledgerbox.inbox._deadletterer import DeadLetterer
+from ledgerbox.inbox._deadletterer import DeadLetterer, stall_cause
 from ledgerbox.inbox._deps import PipelineDeps
-from ledgerbox.inbox._errors import FencedWriteError, LockBusyError, VersionConflictError
+from ledgerbox.inbox._errors import (
+    FencedWriteError,
+    LockBusyError,
+    UnhandledEventError,
+    VersionConflictError,
+)
 from ledgerbox.inbox._handlers import Registered
-from ledgerbox.inbox._policy import Outcome, classify, should_retry
+from ledgerbox.inbox._metrics import UNHANDLED
+from ledgerbox.inbox._policy import Outcome, classify, delivery_outcome, should_retry
 from ledgerbox.inbox._record import (
     Abandon,
     Parsed,
@@ -47,6 +57,11 @@ from ledgerbox.outbox import EnvelopeParseError, EventEnvelope
 __all__ = ["MessagePipeline"]
 
 _log = logging.getLogger("ledgerbox.inbox")
+
+#: Distinct event types per consumer with their own ``ledgerbox_inbox_unhandled_total``
+#: series; further types share the label ``"_other"`` (event types come from the records, so
+#: a flood of odd types must not grow the metric without bound).
+MAX_UNHANDLED_TYPES = 100
 
 
 class MessagePipeline:
@@ -64,6 +79,9 @@ class MessagePipeline:
         self.deps = deps
         self.metrics = deps.metrics
         self.dead_letterer = dead_letterer
+        self._retry_on = tuple(deps.config.retry_on)
+        self._dead_letter_on = tuple(deps.config.dead_letter_on)
+        self._unhandled: dict[str, Any] = {}  # event type -> its counter child
 
     async def process(
         self, record: Record, abandon: Callable[[], bool], parsed: Parsed | None = None
@@ -77,12 +95,11 @@ class MessagePipeline:
         if parsed is None:
             parsed = parse_record(record)
         if isinstance(parsed, EnvelopeParseError):
-            return await self.dead_letterer.dead_letter(record, None, parsed, 1, abandon)
+            return await self.dead_letterer.dead_letter_once(record, None, parsed, abandon)
         event = parsed
         registered = deps.handlers.get(event.event_type)
         if registered is None:
-            _log.debug("no handler for %s, event %s ignored", event.event_type, event.event_id)
-            return Outcome.IGNORED
+            return await self._unhandled_event(record, event, abandon)
         owner: str | None = None
         marked_done = False
         try:
@@ -138,6 +155,65 @@ class MessagePipeline:
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, 0.2)
 
+    async def _unhandled_event(
+        self, record: Record, event: EventEnvelope, abandon: Callable[[], bool]
+    ) -> Outcome:
+        # ConsumerConfig.on_unhandled: counted and warned once per type, then ignored,
+        # dead-lettered, or the partition stops until a handler is registered.
+        deps = self.deps
+        event_type = event.event_type
+        counter = self._unhandled.get(event_type)
+        if counter is None and len(self._unhandled) >= MAX_UNHANDLED_TYPES:
+            counter = self._unhandled.get("_other")  # types past the cap: not remembered
+            if counter is None:
+                counter = UNHANDLED.labels(deps.group_id, "_other")
+                self._unhandled["_other"] = counter
+                _log.warning(
+                    "consumer group %s has seen %d event types without a handler; further "
+                    "ones are counted as event_type='_other' and not logged",
+                    deps.group_id,
+                    MAX_UNHANDLED_TYPES,
+                )
+        if counter is None:
+            counter = UNHANDLED.labels(deps.group_id, event_type)
+            self._unhandled[event_type] = counter
+            _log.warning(
+                "consumer group %s has no handler for event type %r (event %s at %s[%d]@%d): "
+                "on_unhandled=%r; register one with @consumer.handler(%r)",
+                deps.group_id,
+                event_type,
+                event.event_id,
+                record.topic,
+                record.partition,
+                record.offset,
+                deps.config.on_unhandled,
+                event_type,
+            )
+        counter.inc()
+        mode = deps.config.on_unhandled
+        if mode == "ignore":
+            return Outcome.IGNORED
+        if mode == "dead_letter":
+            error = UnhandledEventError(event_type)
+            return await self.dead_letterer.dead_letter_once(record, event, error, abandon)
+        key = (record.topic, record.partition)
+        deps.health.fault(
+            key,
+            f"partition {record.topic}[{record.partition}] stopped at offset {record.offset}: "
+            f"no handler registered for event type {event_type!r} (on_unhandled='fail'): "
+            "register one, or set on_unhandled to 'ignore' or 'dead_letter'",
+        )
+        try:
+            retry = 0
+            while deps.handlers.get(event_type) is None:
+                retry += 1
+                await sleep_unless_abandoned(deps.config.backoff.ceiling_s(min(retry, 30)), abandon)
+        except Abandon:
+            deps.health.clear(key, resolved=False)
+            return Outcome.ABANDONED
+        deps.health.clear(key)
+        return await self.process(record, abandon, event)
+
     async def _with_retries(
         self,
         registered: Registered,
@@ -145,37 +221,62 @@ class MessagePipeline:
         record: Record,
         abandon: Callable[[], bool],
     ) -> Outcome:
+        # ``attempt`` counts every try (ctx.attempt); ``charged`` only those that failed for
+        # the message itself: a fault of the environment never brings an event closer to the
+        # dead-letter topic.
         deps = self.deps
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await self._attempt(registered, event, record, attempt, abandon)
-            except Abandon:
-                raise
-            except Exception as exc:
-                kind = classify(exc, inbox_constraint=deps.store.pk_constraint)
-                if kind is Fault.DUPLICATE:
-                    self.metrics.duplicates_db.inc()
-                    return Outcome.DUPLICATE
-                if not should_retry(kind, attempt, deps.config.max_attempts):
-                    return await self.dead_letterer.dead_letter(
-                        record, event, exc, attempt, abandon
+        attempt = charged = stalls = 0
+        key = (record.topic, record.partition)
+        resolved = False
+        try:
+            while True:
+                attempt += 1
+                try:
+                    outcome = await self._attempt(registered, event, record, attempt, abandon)
+                    resolved = True
+                    return outcome
+                except Abandon:
+                    raise
+                except Exception as exc:
+                    kind = classify(
+                        exc,
+                        inbox_constraint=deps.store.pk_constraint,
+                        retry_on=self._retry_on,
+                        dead_letter_on=self._dead_letter_on,
                     )
-                self.metrics.retries.inc()
-                if isinstance(exc, VersionConflictError | FencedWriteError):
-                    self.metrics.conflicts.inc()
-                _log.warning(
-                    "event %s (%s, key %s) attempt %d failed (%s), retrying: %r",
-                    event.event_id,
-                    event.event_type,
-                    event.partition_key,
-                    attempt,
-                    kind.value,
-                    exc,
-                )
-                delay_s = deps.config.backoff.delay_s(min(attempt, 30))
-                await sleep_unless_abandoned(delay_s, abandon)
+                    if kind is Fault.DUPLICATE:
+                        self.metrics.duplicates_db.inc()
+                        resolved = True
+                        return Outcome.DUPLICATE
+                    if kind is Fault.ENVIRONMENT:
+                        stalls += 1
+                        deps.health.fault(key, stall_cause(record, exc))
+                        delay_s = deps.config.backoff.delay_s(min(stalls, 30))
+                        await sleep_unless_abandoned(delay_s, abandon)
+                        continue
+                    charged += 1
+                    if not should_retry(kind, charged, deps.config.max_attempts):
+                        resolved = True  # past the fault; the dead-letterer reports its own
+                        return await self.dead_letterer.dead_letter(
+                            record, event, exc, charged, abandon
+                        )
+                    self.metrics.retries.inc()
+                    if isinstance(exc, VersionConflictError | FencedWriteError):
+                        self.metrics.conflicts.inc()
+                    _log.warning(
+                        "event %s (%s, key %s) attempt %d failed (%s), retrying: %r",
+                        event.event_id,
+                        event.event_type,
+                        event.partition_key,
+                        charged,
+                        kind.value,
+                        exc,
+                    )
+                    delay_s = deps.config.backoff.delay_s(min(charged, 30))
+                    await sleep_unless_abandoned(delay_s, abandon)
+        finally:
+            if stalls:
+                deps.health.clear(key, resolved=resolved)
 
     async def _attempt(
         self,
@@ -210,6 +311,12 @@ class MessagePipeline:
                 if claimed:
                     await tx.call(registered.fn, ctx, event)
                     await tx.commit()
+                    outcome = Outcome.APPLIED
+                else:
+                    found = await deps.store.statuses(tx, [event.event_id])
+                    outcome = delivery_outcome(found.get(event.event_id))
+                    if outcome is Outcome.APPLIED:  # the row vanished meanwhile (purged)
+                        outcome = Outcome.DUPLICATE
             finally:
                 await tx.aclose()
             self.metrics.handler_duration.observe(time.perf_counter() - started)
@@ -221,11 +328,13 @@ class MessagePipeline:
             if lease is not None and deps.lock is not None:
                 lock = deps.lock
                 await deps.gate.call(lambda: lock.release(lease), False)
-        if claimed:
+        if outcome is Outcome.APPLIED:
             self.metrics.processed.inc()
-            return Outcome.APPLIED
-        self.metrics.duplicates_db.inc()
-        return Outcome.DUPLICATE
+        elif outcome is Outcome.ALREADY_DEAD_LETTERED:
+            self.metrics.duplicates_dead_lettered.inc()
+        else:
+            self.metrics.duplicates_db.inc()
+        return outcome
 
     async def after_commit(self, record: Record, event: EventEnvelope, outcome: Outcome) -> bool:
         """Step 5 for one event whose effect is committed (``APPLIED``, or ``DUPLICATE``

@@ -13,9 +13,11 @@ __all__ = [
     "DEAD_LETTERED",
     "DUPLICATES",
     "HANDLER_DURATION",
+    "HEALTH",
     "PROCESSED",
     "REDIS_DEGRADED",
     "RETRIES",
+    "UNHANDLED",
     "GroupMetrics",
 ]
 
@@ -26,8 +28,20 @@ PROCESSED = Counter(
 )
 DUPLICATES = Counter(
     "ledgerbox_inbox_duplicates_total",
-    "Redelivered events recognised as already applied, by where: redis (hint) or db (inbox).",
+    "Redelivered events recognised as already applied, by where: redis (hint) or db (inbox); "
+    "dead_lettered: a redelivery or copy of a dead-lettered event (final, handler not run).",
     ["group", "path"],
+)
+UNHANDLED = Counter(
+    "ledgerbox_inbox_unhandled_total",
+    "Events of a type without a registered handler (on_unhandled decides what happens).",
+    ["group", "event_type"],
+)
+HEALTH = Gauge(
+    "ledgerbox_inbox_health",
+    "Health of the consumer: 0 ok, 1 degraded (Redis away), 2 down (a fault of the "
+    "environment stops progress).",
+    ["group"],
 )
 CONFLICTS = Counter(
     "ledgerbox_inbox_conflicts_total",
@@ -67,6 +81,7 @@ class GroupMetrics:
         self.processed = PROCESSED.labels(group)
         self.duplicates_redis = DUPLICATES.labels(group, "redis")
         self.duplicates_db = DUPLICATES.labels(group, "db")
+        self.duplicates_dead_lettered = DUPLICATES.labels(group, "dead_lettered")
         self.conflicts = CONFLICTS.labels(group)
         self.retries = RETRIES.labels(group)
         self.dead_lettered = DEAD_LETTERED.labels(group)

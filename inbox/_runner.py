@@ -1,11 +1,15 @@
 """The Kafka side of an inbox consumer: fetch, one worker task per partition, offset commits,
-rebalances, and the one-shot connectivity check.
+rebalances.
 
 Offsets: a partition worker advances its position only past records whose pipeline finished
 (applied, duplicate, ignored or dead-lettered); positions are committed every
 ``commit_interval_ms`` and always before a partition is given up (revoke, stop). A record
 whose processing was abandoned (revoked mid-retry) is not committed: the next owner reads it
 again and the inbox recognises it if its effect had committed.
+
+A broker that does not answer when the run starts is waited for (health ``down`` naming it,
+one log line per change, backoff at most :data:`START_RETRY_MAX_S` apart); refused
+credentials raise :class:`inbox.StartupError`.
 """
 
 from __future__ import annotations
@@ -15,22 +19,23 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import create_async_engine
 
-from ledgerbox.inbox._config import ConsumerConfig
+from ledgerbox.inbox._checks import kafka_start_fault
 from ledgerbox.inbox._deps import PipelineDeps
+from ledgerbox.inbox._errors import StartupError
 from ledgerbox.inbox._policy import Outcome
 from ledgerbox.inbox._record import Record
-from ledgerbox.inbox._redis import RedisDedupStore, redis_client
 
-__all__ = ["BatchProcessor", "KafkaRunner", "check_connectivity"]
+__all__ = ["START_RETRY_MAX_S", "BatchProcessor", "KafkaRunner"]
 
 _log = logging.getLogger("ledgerbox.inbox")
+
+#: Longest wait between two attempts to start the Kafka client, in seconds.
+START_RETRY_MAX_S = 5.0
 
 
 class BatchProcessor(Protocol):
@@ -71,22 +76,18 @@ class KafkaRunner:
         self.stopping.set()
 
     async def run(self) -> None:
-        """Consume until :meth:`stop`."""
+        """Consume until :meth:`stop`.
+
+        Raises
+        ------
+        StartupError
+            If Kafka refused the credentials.
+        """
         config = self.config
-        kafka = AIOKafkaConsumer(
-            bootstrap_servers=config.kafka_bootstrap_servers,
-            group_id=config.group_id,
-            client_id=config.client_id or f"ledgerbox-inbox-{config.group_id}",
-            enable_auto_commit=False,
-            auto_offset_reset=config.auto_offset_reset,
-            isolation_level="read_committed",
-        )
+        kafka = await self._started()
+        if kafka is None:
+            return  # stopped while waiting for the broker
         self.kafka = kafka
-        if config.assignment:
-            kafka.assign([TopicPartition(t, p) for t, p in config.assignment])
-        else:
-            kafka.subscribe(list(config.topics), listener=_Listener(self))
-        await kafka.start()
         if config.assignment:
             self.start_workers(kafka.assignment())
         background = [
@@ -105,6 +106,47 @@ class KafkaRunner:
             with contextlib.suppress(KafkaError):
                 await kafka.stop()
             self.kafka = None
+
+    def _client(self) -> AIOKafkaConsumer:
+        config = self.config
+        kafka = AIOKafkaConsumer(
+            bootstrap_servers=config.kafka_bootstrap_servers,
+            group_id=config.group_id,
+            client_id=config.client_id or f"ledgerbox-inbox-{config.group_id}",
+            enable_auto_commit=False,
+            auto_offset_reset=config.auto_offset_reset,
+            isolation_level="read_committed",
+        )
+        if config.assignment:
+            kafka.assign([TopicPartition(t, p) for t, p in config.assignment])
+        else:
+            kafka.subscribe(list(config.topics), listener=_Listener(self))
+        return kafka
+
+    async def _started(self) -> AIOKafkaConsumer | None:
+        # A new client per attempt: aiokafka's start() is not meant to be called twice.
+        health, retry = self.deps.health, 0
+        try:
+            while not self.stopping.is_set():
+                kafka = self._client()
+                try:
+                    await kafka.start()
+                    health.clear("kafka")
+                    return kafka
+                except (KafkaError, OSError) as exc:
+                    with contextlib.suppress(Exception):
+                        await kafka.stop()
+                    verdict = kafka_start_fault(exc, self.config.kafka_bootstrap_servers)
+                    if verdict.permanent:
+                        raise StartupError(verdict.cause) from None
+                    health.fault("kafka", verdict.cause or "kafka client did not start")
+                retry += 1
+                delay_s = min(self.config.backoff.ceiling_s(retry), START_RETRY_MAX_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), delay_s)
+            return None
+        finally:
+            health.clear("kafka", resolved=False)  # no-op once started
 
     async def _fetch_loop(self, kafka: AIOKafkaConsumer) -> None:
         high = self.config.max_buffered_records
@@ -240,39 +282,3 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
         self.runner.start_workers(list(assigned))
-
-
-async def check_connectivity(config: ConsumerConfig) -> Literal["ok", "degraded", "down"]:
-    """One-shot health of a consumer's dependencies: ``down`` if PostgreSQL or Kafka does not
-    answer, ``degraded`` if only Redis does not, else ``ok``."""
-    engine = create_async_engine(config.database_url)
-    try:
-        async with asyncio.timeout(10), engine.connect() as conn:
-            await conn.execute(text("SELECT 1"))
-    except Exception:
-        return "down"
-    finally:
-        await engine.dispose()
-    probe = AIOKafkaConsumer(
-        bootstrap_servers=config.kafka_bootstrap_servers, request_timeout_ms=10000
-    )
-    try:
-        async with asyncio.timeout(15):
-            await probe.start()
-            await probe.topics()
-    except Exception:
-        return "down"
-    finally:
-        with contextlib.suppress(Exception):
-            await probe.stop()
-    if config.redis_url is None:
-        return "ok"
-    client = redis_client(config.redis_url, timeout_s=config.redis_timeout_s)
-    try:
-        await RedisDedupStore(client).ping()
-    except Exception:
-        return "degraded"
-    finally:
-        with contextlib.suppress(Exception):
-            await client.aclose()
-    return "ok"

@@ -17,7 +17,7 @@ from typing import Any, LiteralString
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ledgerbox.inbox._table import InboxTable
+from ledgerbox.inbox._table import InboxStatus, InboxTable
 from ledgerbox.inbox._tx import Tx, translate_errors
 
 __all__ = ["InboxStore"]
@@ -26,18 +26,19 @@ __all__ = ["InboxStore"]
 MAX_ERROR_CHARS = 2000
 
 # {table} is the validated (schema-qualified) table name. Status numbers are InboxStatus
-# values (1 DONE, 2 DEAD_LETTERED); a unit test pins them.
+# values (1 DONE, 2 DEAD_LETTERED, 3 REPLAY_REQUESTED); a unit test pins them.
 
-# Claim: insert DONE; a conflict on a DONE row returns nothing (duplicate), a conflict on a
-# DEAD_LETTERED row (a dead-lettered event replayed) takes it over. A concurrent claimant waits on
-# the unique index until the first commits or rolls back (C05). ``check_transition`` in
-# ``_policy.py`` states the same transitions.
+# Claim: insert DONE; a conflict on a DONE or DEAD_LETTERED row returns nothing (both are
+# final: a duplicate, or a dead-lettered event whose handler must not run again, C17), a
+# conflict on a REPLAY_REQUESTED row (an operator asked for a replay) takes it over. A
+# concurrent claimant waits on the unique index until the first commits or rolls back (C05).
+# ``check_transition`` in ``_policy.py`` states the same transitions.
 _CLAIM_CONFLICT: LiteralString = """
 ON CONFLICT (consumer_group, event_id) DO UPDATE SET
     status = 1, attempts = t.attempts + 1, last_seen_at = now(),
     topic = EXCLUDED.topic, "partition" = EXCLUDED."partition", "offset" = EXCLUDED."offset",
     last_error = NULL
-WHERE t.status = 2
+WHERE t.status = 3
 RETURNING t.event_id
 """
 _INSERT: LiteralString = """
@@ -60,7 +61,16 @@ FROM unnest(
 ) AS v(event_id, event_type, topic, "partition", "offset")"""
     + _CLAIM_CONFLICT
 )
-# A dead-lettered event: DEAD_LETTERED with its error, unless its effect already committed.
+# Only when a claim returned fewer rows than it was given (the duplicate path, never the
+# path of a new event): the state of the rows it conflicted with. READ COMMITTED: this
+# statement sees the row whose commit the conflicting insert waited for.
+STATUS_OF: LiteralString = """
+SELECT event_id, status FROM {table}
+WHERE consumer_group = :group AND event_id = ANY(CAST(:event_ids AS uuid[]))
+"""
+# A dead-lettered event: DEAD_LETTERED with its error. Over an existing row only when an
+# operator's replay failed again (REPLAY_REQUESTED); a DONE row is final, and a
+# DEAD_LETTERED one keeps its first reason.
 FAIL: LiteralString = """
 INSERT INTO {table} AS t
     (consumer_group, event_id, status, attempts, event_type, topic, "partition", "offset",
@@ -69,7 +79,32 @@ VALUES (:group, :event_id, 2, :attempts, :event_type, :topic, :partition, :offse
 ON CONFLICT (consumer_group, event_id) DO UPDATE SET
     status = 2, attempts = t.attempts + EXCLUDED.attempts, last_seen_at = now(),
     last_error = EXCLUDED.last_error
-WHERE t.status <> 1
+WHERE t.status = 3
+"""
+# The operator's replay hook (the replay command sets it, then re-delivers the record): a
+# DEAD_LETTERED row becomes REPLAY_REQUESTED, which the next claim of the event takes over.
+REQUEST_REPLAY: LiteralString = """
+UPDATE {table} SET status = 3, last_seen_at = now()
+WHERE consumer_group = :group AND event_id = ANY(CAST(:event_ids AS uuid[])) AND status = 2
+"""
+# Retention (G8, C18): a row goes only when it is older than the dedup window AND its record
+# can no longer come back to the group: below the group's committed offset of its partition
+# (and, with auto_offset_reset="earliest", below the partition's first offset still in the
+# log). The caller passes one bound per partition (the smaller of the two); a partition it
+# does not pass (no committed offset) keeps all its rows. Rows without an offset are kept.
+# The subquery walks rows by age (ix_<table>_first_seen_at) and stops at :batch.
+PURGE: LiteralString = """
+DELETE FROM {table} AS d
+WHERE d.consumer_group = :group AND d.event_id IN (
+    SELECT t.event_id FROM {table} AS t
+    JOIN unnest(
+        CAST(:topics AS text[]), CAST(:partitions AS integer[]), CAST(:bounds AS bigint[])
+    ) AS b(topic, "partition", bound)
+      ON t.topic = b.topic AND t."partition" = b."partition" AND t."offset" < b.bound
+    WHERE t.consumer_group = :group
+      AND t.first_seen_at < now() - make_interval(secs => :age_s)
+    LIMIT :batch
+)
 """
 
 
@@ -87,7 +122,6 @@ class InboxStore:
     def __init__(self, table: InboxTable, group: str) -> None:
         self.table = table
         self.group = group
-        t = table.table
         #: PostgreSQL's default name of the primary key: 23505 on it is a duplicate (C05).
         self.pk_constraint = f"{table.name}_pkey"
         # The name is a validated identifier (``[a-z_][a-z0-9_]*``), safe to embed.
@@ -95,16 +129,9 @@ class InboxStore:
         self._claim = sa.text(CLAIM.format(table=name))
         self._claim_many = sa.text(CLAIM_MANY.format(table=name))
         self._fail = sa.text(FAIL.format(table=name))
-        older = sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, sa.bindparam("age_s"))
-        victims = (
-            sa.select(t.c.event_id)
-            .where(t.c.consumer_group == self.group, t.c.first_seen_at < older)
-            .limit(sa.bindparam("batch"))
-            .scalar_subquery()
-        )
-        self._purge = sa.delete(t).where(
-            t.c.consumer_group == self.group, t.c.event_id.in_(victims)
-        )
+        self._status_of = sa.text(STATUS_OF.format(table=name))
+        self._request_replay = sa.text(REQUEST_REPLAY.format(table=name))
+        self._purge = sa.text(PURGE.format(table=name))
 
     def _values(self, event_id: uuid.UUID, event_type: str | None, record: Any) -> dict[str, Any]:
         return {
@@ -117,7 +144,9 @@ class InboxStore:
         }
 
     async def claim(self, tx: Tx, event_id: uuid.UUID, event_type: str, record: Any) -> bool:
-        """Insert the event's inbox row as DONE in ``tx``; False if its effect already committed.
+        """Insert the event's inbox row as DONE in ``tx`` (or take over a REPLAY_REQUESTED
+        one); False if a final row exists (DONE or DEAD_LETTERED: :meth:`statuses` says
+        which).
 
         The row commits or rolls back with the handler's changes (same transaction).
         """
@@ -125,12 +154,18 @@ class InboxStore:
             (await tx.execute(self._claim, self._values(event_id, event_type, record))).rows
         )
 
+    async def statuses(self, tx: Tx, event_ids: list[uuid.UUID]) -> dict[uuid.UUID, InboxStatus]:
+        """The status of the rows of ``event_ids`` that exist, read in ``tx``. Used only
+        after a claim conflicted (the duplicate path) and for an unparseable record."""
+        result = await tx.execute(self._status_of, {"group": self.group, "event_ids": event_ids})
+        return {row[0]: InboxStatus(row[1]) for row in result.rows}
+
     async def claim_many(self, tx: Tx, items: list[tuple[uuid.UUID, str, Any]]) -> set[uuid.UUID]:
         """Insert the inbox rows of several distinct events in ONE statement in ``tx``.
 
         ``items`` are ``(event_id, event_type, record)`` with distinct event ids. Returns the
-        ids whose row was inserted (or taken over from DEAD_LETTERED): their handlers must run in
-        ``tx``; the others already committed their effect.
+        ids whose row was inserted (or taken over from REPLAY_REQUESTED): their handlers must
+        run in ``tx``; the others have a final row (:meth:`statuses` says which).
         """
         params = {
             "group": self.group,
@@ -152,15 +187,71 @@ class InboxStore:
         error: str,
         attempts: int,
     ) -> None:
-        """Upsert the row as DEAD_LETTERED with ``error`` (never over DONE). Caller commits."""
+        """Upsert the row as DEAD_LETTERED with ``error``: a new row, or one whose replay was
+        requested; a DONE row and an earlier DEAD_LETTERED one are left as they are. Caller
+        commits."""
         values = self._values(event_id, event_type, record)
         values.update(attempts=attempts, last_error=error[:MAX_ERROR_CHARS])
         await tx.execute(self._fail, values)
 
-    async def purge_batch(self, engine: AsyncEngine, older_than_s: float, batch: int) -> int:
+    async def request_replay(self, engine: AsyncEngine, event_ids: list[uuid.UUID]) -> int:
+        """The operator's replay hook: mark the DEAD_LETTERED rows of ``event_ids`` as
+        REPLAY_REQUESTED, in one short transaction, so that the next delivery of each event
+        runs its handler again (docs/inbox.md, "A dead-lettered event is final").
+
+        The replay command (to come) calls this, then delivers the records again (from the
+        dead-letter topic to the source topic, or by moving the group's offset back); rows
+        in any other state are left alone. Returns how many rows were marked.
+
+        Raises
+        ------
+        ledgerbox.DatabaseError
+            If the update failed; nothing was marked.
+        """
+        with translate_errors("request replay"):
+            async with engine.begin() as conn:
+                params = {"group": self.group, "event_ids": list(event_ids)}
+                result = await conn.execute(self._request_replay, params)
+                return int(result.rowcount)
+
+    async def purge_batch(
+        self,
+        engine: AsyncEngine,
+        older_than_s: float,
+        bounds: dict[tuple[str, int], int],
+        batch: int,
+    ) -> int:
         """Delete at most ``batch`` rows of this group first seen more than ``older_than_s``
-        seconds ago, in one short transaction. Returns how many were deleted."""
+        seconds ago whose offset is below the bound of their partition, in one short
+        transaction. Returns how many were deleted.
+
+        Parameters
+        ----------
+        older_than_s : float
+            The dedup window, in seconds.
+        bounds : dict[tuple[str, int], int]
+            ``(topic, partition) -> offset``: the first offset Kafka may still deliver to
+            the group on that partition; rows of partitions not in it are kept.
+        batch : int
+            Rows per transaction.
+
+        Raises
+        ------
+        ledgerbox.DatabaseError
+            If the delete failed (nothing of this batch was deleted).
+        """
+        if not bounds:
+            return 0
+        keys = sorted(bounds)
+        params = {
+            "group": self.group,
+            "age_s": older_than_s,
+            "batch": batch,
+            "topics": [topic for topic, _p in keys],
+            "partitions": [partition for _t, partition in keys],
+            "bounds": [bounds[key] for key in keys],
+        }
         with translate_errors("purge"):
             async with engine.begin() as conn:
-                result = await conn.execute(self._purge, {"age_s": older_than_s, "batch": batch})
+                result = await conn.execute(self._purge, params)
                 return int(result.rowcount)

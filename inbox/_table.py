@@ -13,11 +13,19 @@ __all__ = ["InboxStatus", "InboxTable"]
 
 
 class InboxStatus(enum.IntEnum):
-    """State of an inbox row. DONE: the handler's effect committed with the row.
-    DEAD_LETTERED: the record went to the dead-letter topic (its effect never committed)."""
+    """State of an inbox row (transitions: :func:`ledgerbox.inbox._policy.check_transition`).
+
+    DONE: the handler's effect committed with the row; final. DEAD_LETTERED: the record went
+    to the dead-letter topic (its effect never committed); final for redeliveries and copies
+    of the event (docs/inbox.md, "A dead-lettered event is final"). REPLAY_REQUESTED: an
+    operator asked for the dead-lettered event to run again
+    (:meth:`ledgerbox.inbox._store.InboxStore.request_replay`); the next delivery of the
+    event takes the row over and runs its handler.
+    """
 
     DONE = 1
     DEAD_LETTERED = 2
+    REPLAY_REQUESTED = 3
 
 
 class InboxTable:

@@ -24,8 +24,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from ledgerbox._core.errors import DatabaseError
+from ledgerbox._core.faults import Fault, sqlstate_fault
 
-__all__ = ["AsyncTx", "Rows", "SyncTx", "Tx", "translate_errors"]
+__all__ = ["AsyncTx", "Rows", "SyncTx", "Tx", "discard_on_environment_faults", "translate_errors"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,29 @@ def translate_errors(what: str) -> Iterator[None]:
         if error is None:
             raise
         raise error from exc
+
+
+def discard_on_environment_faults(engine: Engine) -> None:
+    """Make ``engine`` throw away (invalidate) a connection whose statement failed with a
+    server error of the environment (``ledgerbox._core.faults``: read-only transaction,
+    privilege, schema, feature not supported...), instead of returning it to the pool.
+
+    Why: some of these faults live in the session, not in the database. A connection opened
+    while ``default_transaction_read_only`` was on (or on a replica) stays read-only after
+    the fix, and a prepared statement may outlive the table it was planned on. Discarding
+    the connection lets the next attempt open a fresh one, so the consumer resumes by itself
+    once the environment is fixed (C15). Only the failing connection goes (not the whole
+    pool); the others are discarded in turn if they fail too. Errors without a SQLSTATE
+    (a lost connection) are already treated as disconnects by SQLAlchemy.
+    """
+
+    def on_error(context: sa.engine.ExceptionContext) -> None:
+        state = getattr(context.original_exception, "sqlstate", None)
+        if isinstance(state, str) and state and sqlstate_fault(state) is Fault.ENVIRONMENT:
+            context.is_disconnect = True
+            context.invalidate_pool_on_disconnect = False
+
+    sa.event.listen(engine, "handle_error", on_error)
 
 
 def _fetch(result: sa.Result[Any]) -> Rows:

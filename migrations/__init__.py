@@ -27,6 +27,7 @@ from alembic import command
 from alembic.config import Config
 
 from ledgerbox._core.errors import LedgerboxError
+from ledgerbox._core.names import SCHEMA_VERSION_TABLE
 from ledgerbox.migrations._names import Names, include_tables, target_metadata
 
 __all__ = [
@@ -39,7 +40,7 @@ __all__ = [
     "upgrade_database",
 ]
 
-VERSION_TABLE = "ledgerbox_alembic_version"
+VERSION_TABLE = SCHEMA_VERSION_TABLE
 _HERE = Path(__file__).resolve().parent
 
 

@@ -19,6 +19,7 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg import sql
 
+from ledgerbox._core.names import SCHEMA_VERSION_TABLE
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import StoreError
 from ledgerbox.relay._store import ClaimedEvent, RelayStats, RelayStore, SchemaReport, StoreFactory
@@ -221,7 +222,7 @@ SCHEMA_SESSION: LiteralString = """
 SELECT current_setting('transaction_read_only') = 'on',
   coalesce(has_table_privilege(to_regclass(%(version_table)s), 'SELECT'), false)
 """
-SCHEMA_REVISION: LiteralString = "SELECT version_num FROM {version_table}"
+SCHEMA_VERSION_NUM: LiteralString = "SELECT version_num FROM {version_table}"
 PENDING_TOPICS: LiteralString = """
 SELECT DISTINCT p.topic FROM (SELECT topic FROM {outbox} WHERE status = 0 LIMIT 10000) AS p
 LIMIT 100
@@ -257,14 +258,14 @@ class PgRelayStore:
             "outbox": ident(config.outbox_table),
             "lease": ident(f"{config.outbox_table}_relay_lease"),
             "member": ident(f"{config.outbox_table}_relay_member"),
-            "version_table": ident("ledgerbox_alembic_version"),
+            "version_table": ident(SCHEMA_VERSION_TABLE),
         }
         prefix = f"{schema}." if schema else ""
         self._qualified = {
             "outbox": f"{prefix}{config.outbox_table}",
             "lease": f"{prefix}{config.outbox_table}_relay_lease",
             "member": f"{prefix}{config.outbox_table}_relay_member",
-            "version_table": f"{prefix}ledgerbox_alembic_version",
+            "version_table": f"{prefix}{SCHEMA_VERSION_TABLE}",
         }
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._channel = f"{config.outbox_table}_{schema or 'default'}_ledgerbox"
@@ -472,7 +473,7 @@ class PgRelayStore:
         )
         revision = None
         if versioned:
-            found = await self._fetch(SCHEMA_REVISION, {}, "schema check")
+            found = await self._fetch(SCHEMA_VERSION_NUM, {}, "schema check")
             revision = str(found[0][0]) if found else ""
         topics: list[str] = []
         if present.get("outbox") and not {"status", "topic"} - columns["outbox"]:

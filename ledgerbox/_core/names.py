@@ -19,7 +19,11 @@ __all__ = [
     "KNOWN_HEADERS",
     "SCHEMA_REVISION",
     "SCHEMA_REVISIONS",
+    "SCHEMA_VERSION_TABLE",
 ]
+
+#: Alembic version table of the stand-alone ledgerbox migrations (``ledgerbox migrate``).
+SCHEMA_VERSION_TABLE = "ledgerbox_alembic_version"
 
 #: Number of virtual shards the key space is cut into. Fixed for the life of a table: a relay
 #: owns whole shards, and per-key order holds because a key never changes shard.

@@ -436,6 +436,7 @@ async def test_batch_applies_once_in_order_and_falls_back_one_by_one_on_error(
             kafka_bootstrap_servers=kafka_bootstrap,
             max_attempts=2,
             retry_base_s=0.01,
+            dead_letter_on=(ValueError,),  # "boom" is declared permanent: one attempt
         ),
         dead_letters=parked,
     )
@@ -482,7 +483,7 @@ async def test_batch_applies_once_in_order_and_falls_back_one_by_one_on_error(
     assert order == ["b1", "b2", "boom", "b1", "b2", "boom", "b4", "b6"]
 
 
-async def test_replayed_dead_letter_takes_over_its_failed_row_batched_and_alone(
+async def test_replayed_dead_letter_takes_over_its_dead_lettered_row_batched_and_alone(
     database_url: str, engine: Engine, kafka_bootstrap: str
 ) -> None:
     from ledgerbox.inbox import InboxStatus
@@ -500,9 +501,11 @@ async def test_replayed_dead_letter_takes_over_its_failed_row_batched_and_alone(
         dead_letters=InMemoryDeadLetterPublisher(),
     )
     failing = {"r1", "r2"}
+    calls: list[str] = []
 
     @consumer.handler("OrderPlaced")
     async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        calls.append(event.payload["order_id"])
         if event.payload["order_id"] in failing:
             raise ValueError("permanent until fixed")
         await ctx.session.execute(
@@ -524,13 +527,20 @@ async def test_replayed_dead_letter_takes_over_its_failed_row_batched_and_alone(
         first = await consumer.process_batch(records)
         with engine.connect() as conn:
             parked = conn.execute(inbox_rows, {"g": group}).all()
-        failing.clear()  # the bug is fixed: the dead-lettered events are replayed
+        failing.clear()  # the bug is fixed
+        # A redelivery alone does not run a dead-lettered event again (final, C17) ...
+        handled = list(calls)
+        unasked = await consumer.process_batch([records[0], records[1]])
+        assert calls == handled
+        # ... the operator's replay request does.
+        assert await consumer.request_replay([r1.event_id, r2.event_id, ok.event_id]) == 2
         replay_batch = await consumer.process_batch([records[0], records[2]])
         replay_alone = await consumer.process_record(records[1])
         again = await consumer.process_batch(records)
     finally:
         await consumer.aclose()
     assert first == [Outcome.DEAD_LETTERED, Outcome.DEAD_LETTERED, Outcome.APPLIED]
+    assert unasked == [Outcome.ALREADY_DEAD_LETTERED] * 2
     assert [(r[1], r[3]) for r in parked] == [(InboxStatus.DEAD_LETTERED, False)] * 2 + [
         (InboxStatus.DONE, True)
     ]

@@ -72,6 +72,8 @@ PUBLIC: dict[str, list[str]] = {
         "RedisAggregateLock",
         "RedisDedupStore",
         "RedisUnavailableError",
+        "StartupError",
+        "UnhandledEventError",
         "VersionConflictError",
         "afenced_update",
         "aupdate_versioned",

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import itertools
-import warnings
 
 import psycopg
 import psycopg.errors as pe
 import pytest
 import sqlalchemy.exc as sa_exc
 
-from ledgerbox import DatabaseError, LedgerboxError, inbox
+from ledgerbox import ConfigurationError, DatabaseError, LedgerboxError, inbox
 from ledgerbox._core.faults import Fault
 from ledgerbox.inbox import (
     ConsumerConfig,
@@ -20,9 +19,14 @@ from ledgerbox.inbox import (
     LockBusyError,
     VersionConflictError,
 )
-from ledgerbox.inbox._config import RetentionWarning
 from ledgerbox.inbox._deadletter import dead_letter_headers
-from ledgerbox.inbox._policy import check_transition, classify, should_retry
+from ledgerbox.inbox._policy import (
+    Outcome,
+    check_transition,
+    classify,
+    delivery_outcome,
+    should_retry,
+)
 from ledgerbox.inbox._tx import translate_errors
 from ledgerbox.outbox import EnvelopeParseError
 
@@ -95,12 +99,83 @@ def seam(exc: BaseException) -> BaseException:
         (pe.NotNullViolation(), Fault.MESSAGE),
         (pe.InvalidTextRepresentation(), Fault.MESSAGE),
         (EnvelopeParseError("bad"), Fault.MESSAGE),
-        (ValueError("bug"), Fault.MESSAGE),
-        (KeyError("amount"), Fault.MESSAGE),
+        # An exception nobody declared: retried up to max_attempts, then dead-lettered.
+        (ValueError("bug"), Fault.TRANSIENT),
+        (KeyError("amount"), Fault.TRANSIENT),
+        (RuntimeError("gateway said no"), Fault.TRANSIENT),
     ],
 )
 def test_classify(exc: BaseException, expected: Fault) -> None:
     assert classify(seam(exc), inbox_constraint="inbox_pkey") is expected
+
+
+class PaymentDeclined(Exception):
+    """A business refusal the user declares permanent."""
+
+
+class CardExpired(PaymentDeclined):
+    """A more specific refusal the user declares retryable (the card is renewed)."""
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (PaymentDeclined(), Fault.MESSAGE),  # declared permanent: one attempt
+        (CardExpired(), Fault.TRANSIENT),  # the most specific declared class wins
+        (pe.ForeignKeyViolation(), Fault.TRANSIENT),  # retry_on turns a data error retryable
+        (wrapped(pe.ForeignKeyViolation()), Fault.TRANSIENT),  # found through the seam's cause
+        (pe.NotNullViolation(), Fault.MESSAGE),  # a data error not declared stays MESSAGE
+        (RuntimeError("undeclared"), Fault.MESSAGE),  # Exception is declared permanent here
+        # Nothing the user declares turns the environment's fault or a serialization failure
+        # into the event's, even a declaration as broad as Exception.
+        (pe.UndefinedTable(), Fault.ENVIRONMENT),
+        (pe.InsufficientPrivilege(), Fault.ENVIRONMENT),
+        (pe.ReadOnlySqlTransaction(), Fault.ENVIRONMENT),
+        (ConnectionRefusedError(), Fault.ENVIRONMENT),
+        (pe.SerializationFailure(), Fault.TRANSIENT),
+        (VersionConflictError("t", {"id": 1}, 3), Fault.TRANSIENT),
+        (FakeUniqueViolation("inbox_pkey"), Fault.DUPLICATE),
+        (EnvelopeParseError("bad"), Fault.MESSAGE),
+    ],
+)
+def test_failsafe_04_declared_exception_types_decide_within_the_rule(
+    exc: BaseException, expected: Fault
+) -> None:
+    assert (
+        classify(
+            seam(exc),
+            inbox_constraint="inbox_pkey",
+            retry_on=(CardExpired, pe.ForeignKeyViolation),
+            dead_letter_on=(PaymentDeclined, Exception),
+        )
+        is expected
+    )
+
+
+def test_failsafe_04_an_undeclared_handler_exception_is_retried_then_dead_lettered() -> None:
+    # Before: RuntimeError was MESSAGE, dead-lettered after ONE attempt.
+    kind = classify(RuntimeError("boom"))
+    assert kind is Fault.TRANSIENT
+    assert [should_retry(kind, n, 3) for n in (1, 2, 3)] == [True, True, False]
+
+
+def test_failsafe_04_config_takes_declared_types_and_refuses_overlaps() -> None:
+    base = {
+        "group_id": "g",
+        "topics": ["a"],
+        "database_url": "x",
+        "kafka_bootstrap_servers": "k",
+    }
+    config = ConsumerConfig(
+        **base,  # type: ignore[arg-type]
+        retry_on=[CardExpired],
+        dead_letter_on=PaymentDeclined,  # type: ignore[arg-type]
+    )
+    assert config.retry_on == (CardExpired,) and config.dead_letter_on == (PaymentDeclined,)
+    with pytest.raises(ConfigurationError, match="both"):
+        ConsumerConfig(**base, retry_on=[KeyError], dead_letter_on=[KeyError])  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="exception types"):
+        ConsumerConfig(**base, retry_on=["KeyError"])  # type: ignore[arg-type,list-item]
 
 
 def test_the_seam_translates_driver_errors_and_passes_the_rest() -> None:
@@ -123,9 +198,9 @@ def test_classify_follows_the_cause_chain() -> None:
 
 
 def test_classify_never_reads_messages() -> None:
-    assert classify(ValueError("deadlock detected; serialization failure; 40001")) is (
-        Fault.MESSAGE
-    )
+    text = "deadlock detected; serialization failure; 40001; connection refused"
+    assert classify(ValueError(text), dead_letter_on=(ValueError,)) is Fault.MESSAGE
+    assert classify(seam(pe.NotNullViolation(text))) is Fault.MESSAGE
 
 
 def test_should_retry_is_bounded_for_transient_and_unbounded_for_the_environment() -> None:
@@ -140,7 +215,7 @@ def test_should_retry_is_bounded_for_transient_and_unbounded_for_the_environment
     assert not should_retry(Fault.DUPLICATE, 1, 5)
 
 
-def test_inbox_state_transitions() -> None:
+def test_failsafe_10_inbox_state_transitions() -> None:
     allowed = {
         (a, b)
         for a, b in itertools.product([None, *InboxStatus], InboxStatus)
@@ -149,22 +224,37 @@ def test_inbox_state_transitions() -> None:
     assert allowed == {
         (None, InboxStatus.DONE),
         (None, InboxStatus.DEAD_LETTERED),
-        (InboxStatus.DEAD_LETTERED, InboxStatus.DONE),
-        (InboxStatus.DEAD_LETTERED, InboxStatus.DEAD_LETTERED),
-    }  # DONE is final
+        # Only the operator's replay request reopens a dead-lettered event ...
+        (InboxStatus.DEAD_LETTERED, InboxStatus.REPLAY_REQUESTED),
+        # ... and the next delivery takes it over: applied, or dead-lettered again.
+        (InboxStatus.REPLAY_REQUESTED, InboxStatus.DONE),
+        (InboxStatus.REPLAY_REQUESTED, InboxStatus.DEAD_LETTERED),
+    }  # DONE is final; DEAD_LETTERED is final for redeliveries and copies (C17)
 
 
-def test_store_sql_encodes_the_same_transitions() -> None:
-    from ledgerbox.inbox._store import CLAIM, CLAIM_MANY, FAIL
+def test_failsafe_10_a_delivery_of_a_final_row_never_runs_the_handler() -> None:
+    assert delivery_outcome(None) is Outcome.APPLIED
+    assert delivery_outcome(InboxStatus.DONE) is Outcome.DUPLICATE
+    assert delivery_outcome(InboxStatus.DEAD_LETTERED) is Outcome.ALREADY_DEAD_LETTERED
 
-    # The SQL embeds the status numbers: a claim takes over only a FAILED row, a failure
-    # never overwrites a DONE one.
-    assert (int(InboxStatus.DONE), int(InboxStatus.DEAD_LETTERED)) == (1, 2)
+
+def test_failsafe_10_store_sql_encodes_the_same_transitions() -> None:
+    from ledgerbox.inbox._store import CLAIM, CLAIM_MANY, FAIL, REQUEST_REPLAY
+
+    # The SQL embeds the status numbers: a claim takes over only a REPLAY_REQUESTED row, a
+    # failure overwrites only a REPLAY_REQUESTED row, a replay request moves only a
+    # DEAD_LETTERED one.
+    assert [int(s) for s in InboxStatus] == [1, 2, 3]
     for claim in (CLAIM, CLAIM_MANY):
-        assert "WHERE t.status = 2" in claim
+        assert "WHERE t.status = 3" in claim
         assert "status = 1," in claim
-    assert "WHERE t.status <> 1" in FAIL
-    assert check_transition(InboxStatus.DEAD_LETTERED, InboxStatus.DONE)
+    assert "WHERE t.status = 3" in FAIL and "status, attempts" in FAIL
+    assert "SET status = 3" in REQUEST_REPLAY and "AND status = 2" in REQUEST_REPLAY
+    assert check_transition(InboxStatus.REPLAY_REQUESTED, InboxStatus.DONE)
+    assert check_transition(InboxStatus.REPLAY_REQUESTED, InboxStatus.DEAD_LETTERED)
+    assert check_transition(InboxStatus.DEAD_LETTERED, InboxStatus.REPLAY_REQUESTED)
+    assert not check_transition(InboxStatus.DEAD_LETTERED, InboxStatus.DONE)
+    assert not check_transition(InboxStatus.DEAD_LETTERED, InboxStatus.DEAD_LETTERED)
     assert not check_transition(InboxStatus.DONE, InboxStatus.DONE)
     assert not check_transition(InboxStatus.DONE, InboxStatus.DEAD_LETTERED)
 
@@ -205,8 +295,8 @@ def test_config_defaults_and_validation() -> None:
             )
 
 
-def test_retention_shorter_than_redelivery_horizon_warns() -> None:
-    with pytest.warns(RetentionWarning):
+def test_failsafe_09_retention_shorter_than_redelivery_horizon_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="offset_retention_s"):
         ConsumerConfig(
             group_id="g",
             topics=["a"],
@@ -214,16 +304,32 @@ def test_retention_shorter_than_redelivery_horizon_warns() -> None:
             kafka_bootstrap_servers="k",
             retention_s=3600,
         )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    config = ConsumerConfig(
+        group_id="g",
+        topics=["a"],
+        database_url="x",
+        kafka_bootstrap_servers="k",
+        retention_s=3600,
+        offset_retention_s=1800,
+    )
+    assert config.retention_s == 3600
+    with pytest.raises(ConfigurationError):
         ConsumerConfig(
             group_id="g",
             topics=["a"],
             database_url="x",
             kafka_bootstrap_servers="k",
-            retention_s=3600,
-            offset_retention_s=1800,
+            offset_retention_s=0,
         )
+
+
+def test_failsafe_05_on_unhandled_is_validated() -> None:
+    base = {"group_id": "g", "topics": ["a"], "database_url": "x", "kafka_bootstrap_servers": "k"}
+    assert ConsumerConfig(**base).on_unhandled == "ignore"  # type: ignore[arg-type]
+    for mode in ("ignore", "dead_letter", "fail"):
+        assert ConsumerConfig(**base, on_unhandled=mode).on_unhandled == mode  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="on_unhandled"):
+        ConsumerConfig(**base, on_unhandled="drop")  # type: ignore[arg-type]
 
 
 def test_dead_letter_headers_keep_the_original_and_add_the_reason() -> None:
@@ -251,3 +357,15 @@ def test_dead_letter_headers_keep_the_original_and_add_the_reason() -> None:
         [], error=ValueError("x" * 10_000), attempts=1, topic="t", partition=0, offset=0
     )
     assert len(dict(long)["ledgerbox_error_message"]) == 4096
+
+
+def test_schema_revision_is_the_head_of_the_migrations() -> None:
+    # The consumer's startup check compares the version table with SCHEMA_REVISION.
+    from alembic.script import ScriptDirectory
+
+    from ledgerbox import migrations
+    from ledgerbox._core.names import SCHEMA_REVISION, SCHEMA_VERSION_TABLE
+
+    script = ScriptDirectory.from_config(migrations.alembic_config("postgresql://u@h/d"))
+    assert script.get_heads() == [SCHEMA_REVISION]
+    assert migrations.VERSION_TABLE == SCHEMA_VERSION_TABLE
