@@ -266,6 +266,8 @@ async def _wait_healthy(s: _Soak, timeout_s: float = 120.0) -> None:
 #: A daemon that exits sooner than this after it was started failed to start (typically: a
 #: dependency was down when it came up); later, it crashed while running.
 STARTUP_S = 30.0
+#: Most seconds a planned fault may start after SOAK_S (the load is extended meanwhile).
+GRACE_S = 120.0
 
 
 async def _watchdog(s: _Soak, stop: asyncio.Event, active: Callable[[], list[str]]) -> None:
@@ -506,12 +508,20 @@ async def run_soak(opts: SoakOptions) -> int:
         monitoring = asyncio.create_task(monitor.run(stop_monitor))
         tasks.append(monitoring)
         loading = asyncio.create_task(load.run(stop_load))
-        faulting = asyncio.create_task(injector.run_plan(plan, deadline_s=opts.duration_s))
+        # A fault still waiting for its resource (the one before it took longer than its
+        # estimate) may start up to GRACE_S after SOAK_S; the load runs on until it is over.
+        last_start = opts.duration_s + GRACE_S
+        faulting = asyncio.create_task(injector.run_plan(plan, deadline_s=last_start))
         tasks += [loading, faulting]
         s.log(f"load {opts.rate_per_s:g} orders/s for {opts.duration_s:g} s; faults start")
         await asyncio.sleep(max(0.0, opts.duration_s - (time.monotonic() - s.t0_monotonic)))
+        while not faulting.done() and time.monotonic() - s.t0_monotonic < last_start:
+            if not any(r.started is None and r.error is None for r in injector.records):
+                break  # only faults in progress: they end by themselves
+            await asyncio.wait([faulting], timeout=1.0)
+        load_s = round(time.monotonic() - s.t0_monotonic, 1)
         stop_load.set()
-        s.log("load stops; waiting for faults still running and requests in flight")
+        s.log(f"load stops after {load_s:g} s; waiting for faults in progress and requests")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(faulting), 240)
         if not faulting.done():
@@ -539,9 +549,11 @@ async def run_soak(opts: SoakOptions) -> int:
             for r in injector.records
             if r.ended is not None
         }
+        report_extra = {"load_s": load_s}
         report = _report(
             s, opts, plan, injector, load, monitor, snapshot, results, kafka, drain, recovery
         )
+        report["load"] |= report_extra
         json_path, png_path = s.out / "soak-report.json", s.out / "soak-report.png"
         report["files"] = {"json": str(json_path), "png": str(png_path)}
         try:

@@ -155,6 +155,8 @@ class Injector:
             finally:
                 record.ended, record.ended_s = time.time(), self.elapsed_s()
                 self.active.pop(planned.index, None)
+                took = record.ended_s - (record.started_s or 0.0)
+                self.log(f"fault #{planned.index} {planned.kind} over after {took:.1f} s")
 
     async def _inject(self, record: FaultRecord, rng: random.Random) -> None:
         p = record.params

@@ -22,7 +22,11 @@ connections:
   refused) and current connections are reset; ``clear()`` listens again.
 - ``clear()``: no fault.
 
-A target that refuses the proxy's upstream connection makes the proxy reset the client's.
+A target that refuses the proxy's upstream connection (a stopped broker) makes the proxy reset
+that client's connection and stop listening until the target accepts again (probed every
+0.3 s): clients then see "connection refused", as they would without the proxy, instead of a
+connect-then-reset per attempt (aiokafka retries every 50 ms; accepting each attempt only to
+reset it cost the proxy a core).
 
 Control: :class:`FaultProxy` in-process, or ``serve()`` with a JSON-lines control port and
 :class:`ProxyControl` (async) / :func:`control` (sync) as clients. CLI::
@@ -119,6 +123,7 @@ class _Stats:
     active: int = 0
     resets: int = 0
     upstream_failures: int = 0
+    target_down_periods: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
 
@@ -160,9 +165,11 @@ class _Connection:
                     asyncio.open_connection(link.spec.target_host, link.spec.target_port),
                     CONNECT_TIMEOUT_S,
                 )
-            except (OSError, TimeoutError):
+            except (OSError, TimeoutError) as exc:
                 link.stats.upstream_failures += 1
                 self.abort()
+                if isinstance(exc, ConnectionRefusedError):
+                    link.target_refused()
                 return
             self.upstream_writer = up_writer
             down: asyncio.Queue[tuple[float, bytes | None]] = asyncio.Queue(QUEUE_CHUNKS)
@@ -262,6 +269,7 @@ class Link:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pass = asyncio.Event()
         self._pass.set()
+        self._probe: asyncio.Task[None] | None = None
 
     @property
     def name(self) -> str:
@@ -276,8 +284,31 @@ class Link:
 
     async def stop(self) -> None:
         """Stop listening and reset every connection."""
+        if self._probe is not None:
+            self._probe.cancel()
         await self._close_server()
         self.reset()
+
+    def target_refused(self) -> None:
+        """The target refused a connection: refuse too until it accepts again."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._follow_target())
+
+    async def _follow_target(self) -> None:
+        self.stats.target_down_periods += 1
+        await self._close_server()
+        while True:
+            await asyncio.sleep(0.3)
+            try:
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.spec.target_host, self.spec.target_port), 2.0
+                )
+            except (OSError, TimeoutError):
+                continue
+            writer.close()
+            break
+        if self.faults.mode != "refuse":
+            await self.start()
 
     async def passing(self) -> None:
         """Return once the link forwards (immediately unless black-holed or refusing)."""
@@ -337,6 +368,7 @@ class Link:
             "target": f"{self.spec.target_host}:{self.spec.target_port}",
             "faults": asdict(self.faults),
             "listening": self._server is not None,
+            "target_down": self._probe is not None and not self._probe.done(),
             **asdict(self.stats),
         }
 

@@ -155,15 +155,29 @@ async def test_refuse_is_connection_refused_until_cleared(link: Link) -> None:
     assert await _roundtrip(link, b"back") == b"back"
 
 
-async def test_unreachable_target_resets_the_client() -> None:
-    proxy = FaultProxy([LinkSpec("dead", free_port(), "127.0.0.1", free_port())])
+async def test_a_refusing_target_is_refused_by_the_link_until_it_is_back() -> None:
+    target_port = free_port()
+    proxy = FaultProxy([LinkSpec("dead", free_port(), "127.0.0.1", target_port)])
     await proxy.start()
+    link = proxy.links["dead"]
     try:
-        reader, writer = await _connect(proxy.links["dead"])
+        reader, writer = await _connect(link)  # accepted before the proxy knows
         with pytest.raises((ConnectionResetError, asyncio.IncompleteReadError)):
             await asyncio.wait_for(reader.readexactly(1), timeout=10)
         writer.close()
-        assert proxy.links["dead"].stats.upstream_failures == 1
+        assert link.stats.upstream_failures == 1
+        with pytest.raises(ConnectionRefusedError):
+            await _connect(link)  # from now on refused, like the target itself
+        server = await asyncio.start_server(_echo, "127.0.0.1", target_port)
+        try:
+            for _ in range(100):
+                if link.status()["listening"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert await _roundtrip(link, b"up again") == b"up again"
+            assert link.stats.target_down_periods == 1
+        finally:
+            server.close()
     finally:
         await proxy.stop()
 
