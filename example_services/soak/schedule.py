@@ -80,6 +80,8 @@ KINDS: tuple[FaultKind, ...] = (
     FaultKind("duplicates", "duplicates", 3, 180),
 )
 KIND_NAMES = tuple(k.name for k in KINDS)
+#: Seconds kept free on a resource after a fault's estimate (restarts vary).
+GAP_S = 3.0
 
 
 @dataclass
@@ -165,7 +167,7 @@ def minimum_duration_s(warmup_s: float = 15.0, tail_s: float = 10.0) -> float:
     per_resource: dict[str, float] = {}
     for kind in KINDS:
         resource = kind.resource if kind.resource not in ("proc", "link") else kind.name
-        per_resource[resource] = per_resource.get(resource, 0.0) + kind.estimate_s + 3.0
+        per_resource[resource] = per_resource.get(resource, 0.0) + kind.estimate_s + GAP_S
     return warmup_s + tail_s + max(per_resource.values())
 
 
@@ -183,9 +185,10 @@ def plan_faults(
 
     Faults start after ``warmup_s`` and are planned to end ``tail_s`` before the load stops.
     Soaks of at least two cycles keep the last ``calm_s`` of every ``cycle_s`` free of new
-    faults. Each kind in ``kinds`` gets ``max(1, storm seconds / period)`` faults; those that
-    do not fit on their resource are dropped, except the first of each kind, which is placed
-    at the earliest free time.
+    faults. Each kind in ``kinds`` gets ``max(1, storm seconds / period)`` faults. The first
+    of each kind is always planned, in the first storm (faults sharing a resource one after
+    the other, in a random order with random gaps); further ones go at a random time or when
+    their resource is free, and are dropped when that is past their storm.
 
     Raises
     ------
@@ -216,29 +219,47 @@ def plan_faults(
             offset -= b - a
         return storms[-1][1]
 
-    wanted: list[tuple[float, bool, str]] = []  # (storm offset, required, kind)
     by_name = {k.name: k for k in KINDS}
+    drawn: list[tuple[float, bool, str, str, dict[str, Any]]] = []
     for name in kinds:
         count = max(1, int(storm_total // by_name[name].period_s))
-        slots = sorted(rng.uniform(0, storm_total) for _ in range(count))
-        # The required first one early in the storm: the short soak must hold every kind.
-        slots[0] = rng.uniform(0, min(storm_total, max(storm_total / 3, 20.0)))
-        wanted += [(offset, i == 0, name) for i, offset in enumerate(slots)]
-    # Required faults first, then by time: each is placed at its time or when free.
-    wanted.sort(key=lambda w: (not w[1], w[0]))
+        for i in range(count):
+            resource, params = _params(name, rng)
+            drawn.append((rng.uniform(0, storm_total), i == 0, name, resource, params))
     free_at: dict[str, list[tuple[float, float]]] = {}
     planned: list[PlannedFault] = []
-    for offset, required, name in wanted:
+    # The first fault of every kind is placed for sure: per resource, one after the other in
+    # a random order, the spare time of the first storm spread randomly between them.
+    first_start, first_end = storms[0]
+    required: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for _, is_first, name, resource, params in drawn:
+        if is_first:
+            required.setdefault(resource, []).append((name, params))
+    for resource in sorted(required):
+        group = required[resource]
+        rng.shuffle(group)
+        total = sum(by_name[name].estimate_s + GAP_S for name, _ in group)
+        spare = max(0.0, first_end - first_start - total)
+        weights = [rng.random() for _ in range(len(group) + 1)]
+        scale = spare / sum(weights)
+        at = first_start
+        for (name, params), weight in zip(group, weights, strict=False):
+            at += weight * scale
+            kind = by_name[name]
+            planned.append(PlannedFault(0, name, round(at, 1), resource, kind.estimate_s, params))
+            free_at.setdefault(resource, []).append((at, at + kind.estimate_s + GAP_S))
+            at += kind.estimate_s + GAP_S
+    # Further faults (long soaks) at their random time, or when their resource is free, or
+    # not at all when that is past the storm.
+    for offset, is_first, name, resource, params in sorted(drawn, key=lambda d: d[0]):
+        if is_first:
+            continue
         kind = by_name[name]
-        resource, params = _params(name, rng)
         busy = free_at.setdefault(resource, [])
-        at = storm_time(offset)
-        at = _first_free(busy, at, kind.estimate_s + 3.0)
+        at = _first_free(busy, storm_time(offset), kind.estimate_s + GAP_S)
         if at + kind.estimate_s > end or not _in_storm(storms, at):
-            if not required:
-                continue
-            at = _first_free(busy, warmup_s, kind.estimate_s + 3.0)
-        busy.append((at, at + kind.estimate_s + 3.0))
+            continue
+        busy.append((at, at + kind.estimate_s + GAP_S))
         planned.append(PlannedFault(0, name, round(at, 1), resource, kind.estimate_s, params))
     planned.sort(key=lambda f: (f.at_s, f.kind))
     for index, fault in enumerate(planned):
