@@ -122,8 +122,8 @@ def check_no_event_lost(
     on_orders = {r.event_id for r in orders_topic}
     on_payments = {r.event_id for r in payments_topic}
     for rows, on_topic, effects, where in (
-        (order_outbox, on_orders, payment_event_ids, "a payment"),
-        (payment_outbox, on_payments, applied_event_ids, "an applied order event"),
+        (order_outbox, on_orders, payment_event_ids, "payment"),
+        (payment_outbox, on_payments, applied_event_ids, "applied order event"),
     ):
         for row in rows:
             if row.status != PUBLISHED:

@@ -83,9 +83,9 @@ def test_no_event_lost_names_the_stage_where_it_stopped() -> None:
     assert "not on its topic" in _lost(w, orders_topic=missing).examples[0]
     unpaid = w.effects[1:]
     result = _lost(w, effects=unpaid)
-    assert not result.ok and "has no a payment" in result.examples[0]
+    assert not result.ok and "has no payment" in result.examples[0]
     result = _lost(w, applied=set(R[1:3]))
-    assert result.violations == 1 and "no an applied order event" in result.examples[0]
+    assert result.violations == 1 and "no applied order event" in result.examples[0]
 
 
 def test_one_effect_per_event_catches_a_double_payment_and_a_double_result() -> None:
