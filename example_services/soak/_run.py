@@ -286,7 +286,7 @@ async def _watchdog(s: _Soak, stop: asyncio.Event, active: Callable[[], list[str
                         "uptime_s": uptime,
                         "at_s": round(time.monotonic() - s.t0_monotonic, 1),
                         "active_faults": faults,
-                        "log_tail": proc.tail(6),
+                        "log_tail": proc.tail(40),
                     }
                 )
                 s.log(
@@ -363,10 +363,14 @@ async def _final_checks(
     )
     for e in s.exits:
         during = ",".join(e["active_faults"]) or "no fault"
-        last = e["log_tail"].strip().splitlines()[-1:] or [""]
+        lines = [ln.strip() for ln in e["log_tail"].splitlines() if ln.strip()]
+        errors = [
+            ln for ln in lines if "Error" in ln and not ln.startswith(("consumer:", "producer:"))
+        ]
+        cause = (errors or lines or [""])[-1]
         message = (
             f"{e['process']} exited with code {e['code']} at {e['at_s']} s, {e['uptime_s']} s "
-            f"after it started, during {during}: {last[0][:160]}"
+            f"after it started, during {during}: {cause[:200]}"
         )
         (startup if e["uptime_s"] < STARTUP_S else crashes).fail(message)
     results += [crashes, startup]
