@@ -38,11 +38,11 @@ from example_services.demo._procs import ManagedProcess
 from example_services.orders._models import metadata as order_metadata
 from example_services.payments._models import metadata as payment_metadata
 from example_services.soak import invariants as inv
-from example_services.soak.faults import FaultRecord, Injector, ServicesScript
+from example_services.soak.faults import Injector, ServicesScript
 from example_services.soak.load import OrderLoad
 from example_services.soak.monitor import Monitor
 from example_services.soak.proxy import ProxyControl
-from example_services.soak.report import buckets, plot, print_summary
+from example_services.soak.report import buckets, per_kind, plot, print_summary
 from example_services.soak.schedule import KIND_NAMES, PlannedFault, plan_faults
 
 __all__ = ["PLANTED_BUGS", "SoakOptions", "run_soak"]
@@ -296,30 +296,6 @@ async def _watchdog(s: _Soak, stop: asyncio.Event, active: Callable[[], list[str
                 proc.start()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)
-
-
-def _per_kind(
-    plan: list[PlannedFault], records: list[FaultRecord], recovery: dict[int, float | None]
-) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for kind in KIND_NAMES:
-        mine = [r for r in records if r.kind == kind]
-        planned = sum(1 for f in plan if f.kind == kind)
-        if not planned:
-            continue
-        recs = [recovery.get(r.index) for r in mine if r.ok]
-        worst: float | str | None = None
-        if any(x is None for x in recs):
-            worst = "never"
-        elif recs:
-            worst = round(max(x for x in recs if x is not None), 1)
-        out[kind] = {
-            "planned": planned,
-            "ok": sum(1 for r in mine if r.ok),
-            "failed": sum(1 for r in mine if not r.ok),
-            "max_recovery_s": worst,
-        }
-    return out
 
 
 async def _final_checks(
@@ -671,7 +647,7 @@ def _report(
             "kinds_planned": sorted({f.kind for f in plan}),
             "kinds_not_injected": sorted(set(opts.kinds) - injected),
         },
-        "faults_per_kind": _per_kind(plan, injector.records, recovery),
+        "faults_per_kind": per_kind(plan, injector.records, recovery),
         "faults": faults,
         "online_checks": monitor.online,
         "invariants": [r.as_dict() for r in results],

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from example_services.demo.checker import OrderRow, percentile
+from example_services.soak.faults import FaultRecord
+from example_services.soak.schedule import KIND_NAMES, PlannedFault
 
-__all__ = ["FAMILY_COLOURS", "buckets", "plot", "print_summary"]
+__all__ = ["FAMILY_COLOURS", "buckets", "per_kind", "plot", "print_summary"]
 
 BUCKET_S = 10.0
 FAMILY_COLOURS = {
@@ -59,6 +61,34 @@ def buckets(orders: Sequence[OrderRow], t0: float, width_s: float = BUCKET_S) ->
             }
         )
     return {"width_s": width_s, "rows": rows}
+
+
+def per_kind(
+    plan: Sequence[PlannedFault],
+    records: Sequence[FaultRecord],
+    recovery: Mapping[int, float | None],
+) -> dict[str, dict[str, Any]]:
+    """Per kind: planned, injected ok, failed, and the worst recovery time (s; ``"never"``:
+    some order created before the fault ended never closed)."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in KIND_NAMES:
+        mine = [r for r in records if r.kind == kind]
+        planned = sum(1 for f in plan if f.kind == kind)
+        if not planned:
+            continue
+        recs = [recovery.get(r.index) for r in mine if r.ok]
+        worst: float | str | None = None
+        if any(x is None for x in recs):
+            worst = "never"
+        elif recs:
+            worst = round(max(x for x in recs if x is not None), 1)
+        out[kind] = {
+            "planned": planned,
+            "ok": sum(1 for r in mine if r.ok),
+            "failed": sum(1 for r in mine if not r.ok),
+            "max_recovery_s": worst,
+        }
+    return out
 
 
 def plot(
