@@ -318,9 +318,11 @@ class Injector:
     # ------------------------------------------------------------------ Kafka records
 
     async def _duplicates(self, count: int, rng: random.Random, record: FaultRecord) -> None:
-        """Re-send records; while the cluster is down (another fault) try again for 120 s."""
+        """Re-send records; while Kafka refuses (another fault: the cluster restarting, two
+        brokers down) try again, for up to 300 s (broker restarts take a minute on a loaded
+        machine)."""
         sent: dict[str, int] = {}
-        deadline = time.monotonic() + 120.0
+        deadline = time.monotonic() + 300.0
         for topic in self.topics:
             while True:
                 try:
