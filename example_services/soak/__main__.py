@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -64,12 +65,25 @@ def parse_args(argv: list[str] | None = None) -> SoakOptions:
     )
 
 
+async def _run(opts: SoakOptions) -> int:
+    # SIGTERM (like Ctrl-C) cancels the soak: its cleanup runs (processes stopped, services
+    # and links restored) before the exit.
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await run_soak(opts)
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     # The observer's own clients retry through every broker fault: their logs are noise here
     # (the daemons' logs, in the results directory, keep theirs).
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    return asyncio.run(run_soak(opts))
+    try:
+        return asyncio.run(_run(opts))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("soak: interrupted; everything it started was stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
