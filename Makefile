@@ -1,4 +1,4 @@
-# One entry for everything: `make demo`, `make test`, `make bench`.
+# One entry for everything: `make demo`, `make test`, `make bench`, `make soak`.
 # Each target creates the virtual environment, installs the project, brings the services up
 # (scripts/services.sh: PostgreSQL, Redis, Apache Kafka; nothing is started when
 # DATABASE_URL, KAFKA_BOOTSTRAP_SERVERS and REDIS_URL are already set) and runs.
@@ -11,7 +11,7 @@ SERVICES := eval "$$(bash scripts/services.sh up)"
 PYTEST_ARGS ?=
 PY_DIRS := ledgerbox outbox relay inbox migrations example_services tests bench
 
-.PHONY: venv services test lint unit demo bench soak clean down
+.PHONY: venv services test lint unit demo bench soak soak-short test-cluster clean down
 
 venv: $(VENV)/.installed
 
@@ -19,6 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[dev,services,otel,compression]'
+	touch $@
+
+$(VENV)/.soak-installed: $(VENV)/.installed
+	$(VENV)/bin/pip install -q -e '.[dev,services,otel,compression,soak]'
 	touch $@
 
 services:
@@ -40,6 +44,27 @@ demo: venv
 
 bench: venv
 	$(SERVICES); $(PY) -m bench $(BENCH_ARGS)
+
+# The 3-broker cluster (scripts/services.sh with OUTBOX_KAFKA_NODES=3: 3 brokers + 3 KRaft
+# controllers, RF 3, min.insync.replicas=2). `make test` stays on the single broker.
+CLUSTER := unset KAFKA_BOOTSTRAP_SERVERS KAFKA_PROXIED_BOOTSTRAP_SERVERS OUTBOX_KAFKA_PROXY_LINKS; \
+	export OUTBOX_KAFKA_NODES=3; eval "$$(bash scripts/services.sh up)"
+SOAK_S ?= 1800
+SOAK_SEED ?=
+SOAK_ARGS ?=
+
+test-cluster: venv
+	$(CLUSTER); $(PY) -m pytest tests/cluster -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# Chaos soak: SOAK_S seconds (default 1800) of steady load with overlapping faults of every
+# kind; SOAK_SEED replays a run (the seed is printed). Results in soak-results/.
+soak: $(VENV)/.soak-installed
+	$(CLUSTER); $(PY) -m pytest tests/cluster -q -p no:cacheprovider; \
+	SOAK_S=$(SOAK_S) SOAK_SEED=$(SOAK_SEED) $(PY) -m example_services.soak $(SOAK_ARGS)
+
+# The CI soak: 3 minutes, every fault kind at least once.
+soak-short:
+	$(MAKE) soak SOAK_S=180
 
 down:
 	bash scripts/services.sh down

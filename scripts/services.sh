@@ -14,7 +14,11 @@
 #   down [--purge] stop all three (data kept); --purge also deletes the state directory
 #   purge         same as down --purge
 #   stop-redis | start-redis | stop-kafka | start-kafka | stop-postgres | start-postgres
-#                 outage simulation; data is kept (Kafka log dirs, PG cluster)
+#                 outage simulation; data is kept (Kafka log dirs, PG cluster); with
+#                 OUTBOX_KAFKA_NODES=3 stop-kafka / start-kafka act on the whole cluster
+#   stop-broker N | start-broker N | kill-broker N | pause-broker N | resume-broker N | broker-pid N
+#                 one broker (N = 1..3) of the 3-node cluster: SIGTERM (controlled shutdown),
+#                 start and wait until unfenced, SIGKILL, SIGSTOP, SIGCONT, print its pid
 #
 # Environment:
 #   OUTBOX_SERVICES_DIR  state dir (data, logs, pid files); default ~/.cache/outbox-services/state
@@ -24,6 +28,13 @@
 #   OUTBOX_PG_PORT, OUTBOX_REDIS_PORT, OUTBOX_KAFKA_PORT, OUTBOX_KAFKA_CONTROLLER_PORT
 #                        ports (defaults 5433, 6380, 9092, 9093); with OUTBOX_SERVICES_DIR they
 #                        let two independent sets of services run side by side
+#   OUTBOX_KAFKA_NODES   1 (default: the single broker above, what `make test` uses) or 3: a
+#                        cluster of 3 brokers + 3 KRaft controllers, replication factor 3,
+#                        min.insync.replicas=2 (see "Kafka cluster" below for the layout).
+#                        `up`/`env` then also export KAFKA_PROXIED_BOOTSTRAP_SERVERS (the
+#                        brokers' listener advertised at fault-proxy ports) and
+#                        OUTBOX_KAFKA_PROXY_LINKS (name=listen:target for that proxy)
+#   OUTBOX_KAFKA_CLUSTER_PORT  first of the 12 ports the cluster uses (default 9400)
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -38,6 +49,7 @@ KAFKA_CONTROLLER_PORT="${OUTBOX_KAFKA_CONTROLLER_PORT:-9093}"
 HOST=127.0.0.1
 
 KAFKA_VERSION="${OUTBOX_KAFKA_VERSION:-4.1.1}"
+KAFKA_NODES="${OUTBOX_KAFKA_NODES:-1}"
 KAFKA_HOME="$CACHE_ROOT/kafka-$KAFKA_VERSION"
 KAFKA_LIBS="$KAFKA_HOME/libs"
 # Fixed cluster id (base64 of 16 bytes), used only when the storage is formatted the first time.
@@ -479,6 +491,329 @@ stop_kafka() {
   rm -f "$KAFKA_PIDFILE"
 }
 
+# ---------------------------------------------------------------- Kafka cluster (OUTBOX_KAFKA_NODES=3)
+# Three brokers and a quorum of three DEDICATED KRaft controllers (six JVMs), not three combined
+# broker+controller nodes: with combined nodes, stopping two brokers also stops two of the three
+# voters, the quorum is gone, no ISR can shrink, and a produce with acks=all just times out.
+# With the quorum on its own processes, stopping two brokers leaves the survivor leading every
+# partition with ISR {itself} < min.insync.replicas=2: produce is refused with the retriable
+# NOT_ENOUGH_REPLICAS, which is the fault the soak injects (and what production clusters,
+# where the docs advise dedicated controllers, answer). Controllers are cheap when idle
+# (160 MB serial-GC heap, ~1% CPU each); brokers get 384 MB each: 6 JVMs ~ 2.3 GB RSS on the
+# 2-core 24 GiB box.
+#
+# Ports, from B = OUTBOX_KAFKA_CLUSTER_PORT (default 9400), broker N = 1..3:
+#   B+N-1   PLAINTEXT listener of broker N (inter-broker, tests, the soak's own observer)
+#   B+2+N   PROXIED listener of broker N: what a fault proxy forwards to
+#   B+5+N   advertised address of the PROXIED listener: where the fault proxy listens, so a
+#           client that bootstraps through the proxy gets metadata naming only proxy ports
+#   B+8+N   controller N (node id 10+N)
+CLUSTER_NODES=3
+CLUSTER_BASE="${OUTBOX_KAFKA_CLUSTER_PORT:-9400}"
+CLUSTER_DIR="$STATE/kafka-cluster"
+# Fixed cluster id of the 3-node cluster (base64 of 16 bytes), used when storage is formatted.
+CLUSTER_ID="rLlU8LcCQd-HuQuy_1ePjQ"
+
+broker_port()       { echo $((CLUSTER_BASE + $1 - 1)); }
+broker_real_proxied_port() { echo $((CLUSTER_BASE + 2 + $1)); }
+broker_proxy_port() { echo $((CLUSTER_BASE + 5 + $1)); }
+controller_port()   { echo $((CLUSTER_BASE + 8 + $1)); }
+node_dir() { echo "$CLUSTER_DIR/$1-$2"; }  # node_dir broker|controller N
+
+cluster_voters() {
+  local n out=""
+  for n in $(seq 1 $CLUSTER_NODES); do out="$out${out:+,}$((10 + n))@$HOST:$(controller_port "$n")"; done
+  echo "$out"
+}
+cluster_bootstrap() {
+  local n out=""
+  for n in $(seq 1 $CLUSTER_NODES); do out="$out${out:+,}$HOST:$(broker_port "$n")"; done
+  echo "$out"
+}
+cluster_proxied_bootstrap() {
+  local n out=""
+  for n in $(seq 1 $CLUSTER_NODES); do out="$out${out:+,}$HOST:$(broker_proxy_port "$n")"; done
+  echo "$out"
+}
+# listen=target pairs a fault proxy must serve: advertised proxied port -> real proxied port.
+cluster_proxy_links() {
+  local n out=""
+  for n in $(seq 1 $CLUSTER_NODES); do
+    out="$out${out:+,}kafka-$n=$(broker_proxy_port "$n"):$(broker_real_proxied_port "$n")"
+  done
+  echo "$out"
+}
+
+check_node_index() {
+  case "${1:-}" in 1|2|3) ;; *) die "broker index must be 1, 2 or 3 (got '${1:-}')" ;; esac
+}
+
+node_write_log4j() {  # node_write_log4j DIR
+  sed -e "s#$KAFKA_DIR/logs#$1/logs#g" "$KAFKA_DIR/log4j2.properties" >"$1/log4j2.properties"
+}
+
+cluster_write_config() {
+  # The single-broker writer also writes the shared tool configs (log4j2-tools, admin.properties).
+  kafka_write_config
+  local n d voters
+  voters="$(cluster_voters)"
+  for n in $(seq 1 $CLUSTER_NODES); do
+    d="$(node_dir controller "$n")"
+    mkdir -p "$d/data" "$d/logs"
+    cat >"$d/server.properties" <<CONF
+# written by scripts/services.sh on every start; do not edit
+process.roles=controller
+node.id=$((10 + n))
+controller.quorum.voters=$voters
+listeners=CONTROLLER://$HOST:$(controller_port "$n")
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=CONTROLLER:PLAINTEXT
+log.dirs=$d/data
+# With eligible leader replicas (KIP-966, on by default since 4.1) the cluster-wide
+# min.insync.replicas is a metadata record written when the CONTROLLERS are formatted, from
+# their config: the brokers' own setting alone leaves it at 1.
+min.insync.replicas=2
+num.io.threads=2
+num.network.threads=1
+background.threads=2
+CONF
+    node_write_log4j "$d"
+    d="$(node_dir broker "$n")"
+    mkdir -p "$d/data" "$d/logs"
+    cat >"$d/server.properties" <<CONF
+# written by scripts/services.sh on every start; do not edit
+process.roles=broker
+node.id=$n
+controller.quorum.voters=$voters
+controller.listener.names=CONTROLLER
+listeners=PLAINTEXT://$HOST:$(broker_port "$n"),PROXIED://$HOST:$(broker_real_proxied_port "$n")
+advertised.listeners=PLAINTEXT://$HOST:$(broker_port "$n"),PROXIED://$HOST:$(broker_proxy_port "$n")
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,PROXIED:PLAINTEXT
+inter.broker.listener.name=PLAINTEXT
+log.dirs=$d/data
+num.partitions=3
+default.replication.factor=3
+min.insync.replicas=2
+unclean.leader.election.enable=false
+auto.create.topics.enable=true
+offsets.topic.replication.factor=3
+offsets.topic.num.partitions=10
+transaction.state.log.replication.factor=3
+transaction.state.log.min.isr=2
+transaction.state.log.num.partitions=10
+share.coordinator.state.topic.replication.factor=3
+share.coordinator.state.topic.min.isr=2
+group.initial.rebalance.delay.ms=0
+num.network.threads=2
+num.io.threads=2
+num.replica.fetchers=1
+background.threads=2
+log.retention.hours=168
+log.segment.bytes=268435456
+CONF
+    node_write_log4j "$d"
+  done
+}
+
+node_pid() {  # node_pid ROLE N -> pid of that node's JVM (pid file checked against /proc)
+  local d props pid p
+  d="$(node_dir "$1" "$2")"; props="$d/server.properties"
+  if [ -f "$d/kafka.pid" ]; then
+    pid="$(cat "$d/kafka.pid" 2>/dev/null || true)"
+    if pid_alive "$pid" && tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline" | grep -qF -- "kafka.Kafka $props"; then
+      echo "$pid"; return 0
+    fi
+  fi
+  for p in /proc/[0-9]*; do
+    if tr '\0' ' ' 2>/dev/null <"$p/cmdline" | grep -qF -- "kafka.Kafka $props"; then
+      pid="${p#/proc/}"; echo "$pid" >"$d/kafka.pid" 2>/dev/null || true
+      echo "$pid"; return 0
+    fi
+  done
+  return 1
+}
+
+node_state() {  # one letter from /proc/PID/stat: R/S running, T stopped (SIGSTOP)
+  awk '{print $3}' "/proc/$1/stat" 2>/dev/null || echo "?"
+}
+
+node_format() {  # node_format ROLE N
+  local d; d="$(node_dir "$1" "$2")"
+  [ -f "$d/data/meta.properties" ] && return 0
+  log "formatting Kafka storage of $1 $2 (cluster id $CLUSTER_ID)"
+  kafka_tool kafka.tools.StorageTool format --ignore-formatted -t "$CLUSTER_ID" \
+    -c "$d/server.properties" >"$d/logs/format.log" 2>&1 \
+    || { show_log "$d/logs/format.log"; die "kafka storage format of $1 $2 failed"; }
+}
+
+node_launch() {  # node_launch ROLE N: start the JVM if not running (does not wait for readiness)
+  local role="$1" n="$2" d pid heap
+  d="$(node_dir "$role" "$n")"
+  if pid="$(node_pid "$role" "$n")"; then
+    [ "$(node_state "$pid")" = "T" ] && { log "$role $n (pid $pid) was paused: SIGCONT"; kill -CONT "$pid"; }
+    return 0
+  fi
+  rm -f "$d/kafka.pid"
+  node_format "$role" "$n"
+  if [ "$role" = controller ]; then
+    heap=(-Xmx160m -Xms160m -XX:+UseSerialGC)
+  else
+    heap=(-Xmx384m -Xms384m -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:ParallelGCThreads=2
+          -XX:ConcGCThreads=1 -XX:InitiatingHeapOccupancyPercent=35)
+  fi
+  # Where this start's log begins: readiness is read from what follows.
+  stat -c %s "$d/logs/server.log" 2>/dev/null >"$d/logs/.start-offset" || echo 0 >"$d/logs/.start-offset"
+  (cd "$d" && exec setsid nohup "$JAVA" "${heap[@]}" -server -XX:CICompilerCount=2 \
+    -XX:+ExplicitGCInvokesConcurrent -Djava.awt.headless=true \
+    -XX:ErrorFile="$d/logs/hs_err_pid%p.log" \
+    -Dkafka.logs.dir="$d/logs" -Dlog4j2.configurationFile="$d/log4j2.properties" \
+    -cp "$KAFKA_LIBS/*" kafka.Kafka "$d/server.properties" \
+    >>"$d/logs/stdout.log" 2>&1 </dev/null 3>&- 8>&- 9>&-) &
+  for _ in $(seq 1 50); do node_pid "$role" "$n" >/dev/null && return 0; sleep 0.1; done
+  show_log "$d/logs/stdout.log"; die "$role $n JVM did not start"
+}
+
+node_log_since_start() {  # what the node logged since its last launch
+  local d off size
+  d="$(node_dir "$1" "$2")"
+  off="$(cat "$d/logs/.start-offset" 2>/dev/null || echo 0)"
+  size="$(stat -c %s "$d/logs/server.log" 2>/dev/null || echo 0)"
+  [ "$size" -lt "$off" ] && off=0  # the log rolled over
+  tail -c +"$((off + 1))" "$d/logs/server.log" 2>/dev/null || true
+}
+
+node_wait_ready() {  # node_wait_ready ROLE N: a broker is ready once unfenced; a controller once listening
+  local role="$1" n="$2" d pid port deadline=$((SECONDS + TIMEOUT))
+  d="$(node_dir "$role" "$n")"
+  if [ "$role" = broker ]; then port="$(broker_port "$n")"; else port="$(controller_port "$n")"; fi
+  while :; do
+    pid="$(node_pid "$role" "$n")" || {
+      show_log "$d/logs/stdout.log" 20; show_log "$d/logs/server.log" 60; die "$role $n exited during startup"; }
+    if port_open "$port"; then
+      if [ "$role" = controller ]; then return 0; fi
+      if node_log_since_start broker "$n" | grep -qE "has been unfenced|Kafka Server started"; then return 0; fi
+    fi
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      show_log "$d/logs/server.log" 60; die "$role $n (pid $pid) not ready after ${TIMEOUT}s"
+    fi
+    sleep 0.3
+  done
+}
+
+node_stop() {  # node_stop ROLE N SIGNAL: TERM (controlled shutdown) or KILL (crash)
+  local role="$1" n="$2" sig="$3" pid d deadline
+  d="$(node_dir "$role" "$n")"
+  if ! pid="$(node_pid "$role" "$n")"; then log "$role $n not running"; rm -f "$d/kafka.pid"; return 0; fi
+  log "stopping $role $n (pid $pid, SIG$sig)"
+  kill -CONT "$pid" 2>/dev/null || true  # a paused JVM cannot handle SIGTERM
+  kill "-$sig" "$pid" 2>/dev/null || true
+  deadline=$((SECONDS + 60))
+  while pid_alive "$pid"; do
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      log "$role $n did not stop within 60s; SIGKILL"; kill -KILL "$pid" 2>/dev/null || true; sleep 0.5; break
+    fi
+    sleep 0.1
+  done
+  rm -f "$d/kafka.pid"
+}
+
+lock_node() {  # serialize commands on one broker (not the whole state dir: faults overlap)
+  mkdir -p "$(node_dir broker "$1")"
+  exec 8>"$(node_dir broker "$1")/.lock"
+  flock -w 120 8 || die "could not lock broker $1"
+}
+
+start_cluster() {
+  ensure_java
+  ensure_kafka_libs
+  mkdir -p "$CLUSTER_DIR"
+  local n running=1
+  for n in $(seq 1 $CLUSTER_NODES); do
+    node_pid controller "$n" >/dev/null && node_pid broker "$n" >/dev/null || running=0
+  done
+  if [ "$running" -eq 0 ]; then
+    for n in $(seq 1 $CLUSTER_NODES); do
+      if ! node_pid controller "$n" >/dev/null && port_open "$(controller_port "$n")"; then
+        die "port $(controller_port "$n") is in use by something other than our controller $n"
+      fi
+      if ! node_pid broker "$n" >/dev/null && port_open "$(broker_port "$n")"; then
+        die "port $(broker_port "$n") is in use by something other than our broker $n"
+      fi
+    done
+    cluster_write_config
+    log "starting Kafka $KAFKA_VERSION cluster: controllers on $HOST:$(controller_port 1)-$(controller_port 3), brokers on $(cluster_bootstrap)"
+  fi
+  for n in $(seq 1 $CLUSTER_NODES); do node_launch controller "$n"; done
+  for n in $(seq 1 $CLUSTER_NODES); do node_launch broker "$n"; done
+  for n in $(seq 1 $CLUSTER_NODES); do node_wait_ready controller "$n"; done
+  for n in $(seq 1 $CLUSTER_NODES); do node_wait_ready broker "$n"; done
+  log "Apache Kafka $KAFKA_VERSION (KRaft, 3 controllers + 3 brokers, RF 3, min.insync.replicas=2) on $(cluster_bootstrap)"
+}
+
+stop_cluster() {  # brokers in parallel (controlled shutdown), then the controllers
+  local n
+  for n in $(seq 1 $CLUSTER_NODES); do node_stop broker "$n" TERM & done
+  wait
+  for n in $(seq 1 $CLUSTER_NODES); do node_stop controller "$n" TERM & done
+  wait
+}
+
+cluster_running() {
+  local n
+  for n in $(seq 1 $CLUSTER_NODES); do
+    node_pid broker "$n" >/dev/null && port_open "$(broker_port "$n")" || return 1
+  done
+}
+
+cluster_any_running() {
+  local n
+  [ -d "$CLUSTER_DIR" ] || return 1
+  for n in $(seq 1 $CLUSTER_NODES); do
+    node_pid broker "$n" >/dev/null && return 0
+    node_pid controller "$n" >/dev/null && return 0
+  done
+  return 1
+}
+
+cluster_status() {
+  local n pid rc=0 st
+  for role in controller broker; do
+    for n in $(seq 1 $CLUSTER_NODES); do
+      if [ "$role" = broker ]; then port="$(broker_port "$n")"; else port="$(controller_port "$n")"; fi
+      if pid="$(node_pid "$role" "$n")"; then
+        st="$(node_state "$pid")"
+        if [ "$st" = T ]; then echo "kafka $role $n: paused (SIGSTOP, pid $pid, $HOST:$port)"; rc=1
+        elif port_open "$port"; then echo "kafka $role $n: running ($HOST:$port, pid $pid)"
+        else echo "kafka $role $n: starting (pid $pid, port $port not open)"; rc=1; fi
+      else
+        echo "kafka $role $n: stopped"; rc=1
+      fi
+    done
+  done
+  return $rc
+}
+
+cmd_broker() {  # cmd_broker ACTION N
+  local action="$1" n="${2:-}" pid
+  [ "$KAFKA_NODES" = 3 ] || die "$action-broker needs the 3-node cluster (OUTBOX_KAFKA_NODES=3)"
+  check_node_index "$n"
+  case "$action" in
+    stop)   lock_node "$n"; node_stop broker "$n" TERM ;;
+    kill)   pid="$(node_pid broker "$n")" || die "broker $n is not running"
+            log "kill -9 broker $n (pid $pid)"; kill -KILL "$pid"
+            while pid_alive "$pid"; do sleep 0.05; done
+            rm -f "$(node_dir broker "$n")/kafka.pid" ;;
+    pause)  pid="$(node_pid broker "$n")" || die "broker $n is not running"
+            log "SIGSTOP broker $n (pid $pid)"; kill -STOP "$pid" ;;
+    resume) pid="$(node_pid broker "$n")" || die "broker $n is not running"
+            log "SIGCONT broker $n (pid $pid)"; kill -CONT "$pid" ;;
+    start)  lock_node "$n"; ensure_java; ensure_kafka_libs
+            [ -f "$(node_dir broker "$n")/server.properties" ] || die "cluster never started: run up first"
+            node_launch broker "$n"; node_wait_ready broker "$n"; log "broker $n ready" ;;
+    pid)    node_pid broker "$n" || die "broker $n is not running" ;;
+  esac
+}
+
 # ---------------------------------------------------------------- commands
 print_exports() {  # print_exports -> export lines for env-provided or our running services; rc 1 if any missing
   local rc=0
@@ -486,6 +821,12 @@ print_exports() {  # print_exports -> export lines for env-provided or our runni
   elif find_pg_bin && pg_running; then printf 'export DATABASE_URL=%s\n' "$OWN_DATABASE_URL"
   else log "PostgreSQL is not running"; rc=1; fi
   if [ -n "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then printf 'export KAFKA_BOOTSTRAP_SERVERS=%q\n' "$KAFKA_BOOTSTRAP_SERVERS"
+  elif [ "$KAFKA_NODES" = 3 ]; then
+    if cluster_running; then
+      printf 'export KAFKA_BOOTSTRAP_SERVERS=%s\n' "$(cluster_bootstrap)"
+      printf 'export KAFKA_PROXIED_BOOTSTRAP_SERVERS=%s\n' "$(cluster_proxied_bootstrap)"
+      printf 'export OUTBOX_KAFKA_PROXY_LINKS=%s\n' "$(cluster_proxy_links)"
+    else log "Kafka cluster is not running"; rc=1; fi
   elif kafka_running; then printf 'export KAFKA_BOOTSTRAP_SERVERS=%s\n' "$OWN_KAFKA_BOOTSTRAP_SERVERS"
   else log "Kafka is not running"; rc=1; fi
   if [ -n "${REDIS_URL:-}" ]; then printf 'export REDIS_URL=%q\n' "$REDIS_URL"
@@ -511,7 +852,9 @@ cmd_up() {
   lock_state
   [ -n "${REDIS_URL:-}" ] && log "REDIS_URL set: not starting Redis" || start_redis
   [ -n "${DATABASE_URL:-}" ] && log "DATABASE_URL set: not starting PostgreSQL" || start_postgres
-  [ -n "${KAFKA_BOOTSTRAP_SERVERS:-}" ] && log "KAFKA_BOOTSTRAP_SERVERS set: not starting Kafka" || start_kafka
+  if [ -n "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then log "KAFKA_BOOTSTRAP_SERVERS set: not starting Kafka"
+  elif [ "$KAFKA_NODES" = 3 ]; then start_cluster
+  else start_kafka; fi
   local out
   out="$(print_exports)" || die "a service is not running after up"
   printf '%s\n' "$out" >"$STATE/env"
@@ -525,7 +868,8 @@ cmd_status() {
   else echo "postgres: stopped"; rc=1; fi
   if redis_running; then echo "redis:    running ($HOST:$REDIS_PORT)"
   else echo "redis:    stopped"; rc=1; fi
-  if pid="$(kafka_pid)" && port_open "$KAFKA_PORT"; then echo "kafka:    running ($HOST:$KAFKA_PORT, pid $pid, Kafka $KAFKA_VERSION KRaft)"
+  if [ "$KAFKA_NODES" = 3 ]; then cluster_status || rc=1
+  elif pid="$(kafka_pid)" && port_open "$KAFKA_PORT"; then echo "kafka:    running ($HOST:$KAFKA_PORT, pid $pid, Kafka $KAFKA_VERSION KRaft)"
   elif [ -n "${pid:-}" ]; then echo "kafka:    starting (pid $pid, port $KAFKA_PORT not open)"; rc=1
   else echo "kafka:    stopped"; rc=1; fi
   return $rc
@@ -536,6 +880,7 @@ cmd_down() {
   case "${1:-}" in --purge|purge) purge=1 ;; "") ;; *) die "unknown option for down: $1" ;; esac
   [ -d "$STATE" ] && lock_state
   stop_kafka
+  if cluster_any_running; then stop_cluster; fi
   stop_redis
   stop_postgres
   if [ "$purge" -eq 1 ]; then
@@ -551,6 +896,7 @@ usage() {
 }
 
 main() {
+  case "$KAFKA_NODES" in 1|3) ;; *) die "OUTBOX_KAFKA_NODES must be 1 or 3 (got '$KAFKA_NODES')" ;; esac
   local cmd="${1:-}"
   [ $# -gt 0 ] && shift
   case "$cmd" in
@@ -561,8 +907,12 @@ main() {
     purge)          cmd_down --purge ;;
     stop-redis)     stop_redis ;;
     start-redis)    start_redis ;;
-    stop-kafka)     lock_state; stop_kafka ;;
-    start-kafka)    lock_state; exec 1>&2; start_kafka ;;
+    stop-kafka)     if [ "$KAFKA_NODES" = 3 ]; then stop_cluster; else lock_state; stop_kafka; fi ;;
+    start-kafka)    exec 1>&2; if [ "$KAFKA_NODES" = 3 ]; then start_cluster; else lock_state; start_kafka; fi ;;
+    broker-pid)     cmd_broker pid "$@" ;;
+    stop-broker|start-broker|kill-broker|pause-broker|resume-broker)
+                    [ "$cmd" = start-broker ] && exec 1>&2
+                    cmd_broker "${cmd%-broker}" "$@" ;;
     stop-postgres)  lock_state; stop_postgres ;;
     start-postgres) lock_state; exec 1>&2; start_postgres ;;
     -h|--help|help|"") usage ;;

@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> DemoOptions:
         "--faults",
         type=_faults,
         default=FAULTS,
-        help=f"comma-separated subset of {','.join(FAULTS)} (all)",
+        help=f"comma-separated subset of {','.join(FAULTS)} (all; kafka and postgres: one "
+        "restart of each through scripts/services.sh)",
     )
     parser.add_argument("--no-faults", action="store_true", help="inject no fault")
     parser.add_argument(

@@ -17,15 +17,23 @@ __all__ = ["consumer_lag", "create_topics", "delete_topics", "end_offsets", "res
 MAX_READ_BACK = 20_000
 
 
-async def create_topics(bootstrap: str, topics: Sequence[str], partitions: int) -> None:
-    """Create ``topics`` with ``partitions`` partitions (replication 1); existing ones are kept."""
+async def create_topics(
+    bootstrap: str, topics: Sequence[str], partitions: int, replication_factor: int = 1
+) -> None:
+    """Create ``topics`` with ``partitions`` partitions; existing ones are kept."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
         for topic in topics:
             with contextlib.suppress(TopicAlreadyExistsError):
                 await admin.create_topics(
-                    [NewTopic(name=topic, num_partitions=partitions, replication_factor=1)]
+                    [
+                        NewTopic(
+                            name=topic,
+                            num_partitions=partitions,
+                            replication_factor=replication_factor,
+                        )
+                    ]
                 )
     finally:
         await admin.close()
@@ -48,8 +56,8 @@ async def end_offsets(bootstrap: str, topics: Sequence[str]) -> dict[TopicPartit
     """Log end offset of every partition of ``topics`` (a missing topic raises)."""
     # A consumer's metadata only covers its subscriptions; the producer fetches a topic's.
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
-    await producer.start()
     try:
+        await producer.start()
         partitions = [
             TopicPartition(topic, p)
             for topic in topics
@@ -60,8 +68,8 @@ async def end_offsets(bootstrap: str, topics: Sequence[str]) -> dict[TopicPartit
     if not partitions:
         return {}
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await consumer.start()
     try:
+        await consumer.start()
         return dict(await consumer.end_offsets(partitions))
     finally:
         await consumer.stop()
@@ -74,8 +82,8 @@ async def consumer_lag(bootstrap: str, group: str, topics: Sequence[str]) -> int
     if not ends:
         raise RuntimeError(f"no partitions found for {list(topics)}: cannot measure lag")
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
     try:
+        await admin.start()
         committed = await admin.list_consumer_group_offsets(group)
     finally:
         await admin.close()

@@ -25,8 +25,9 @@ __all__ = [
     "top_up",
 ]
 
-#: Transport errors and 5xx are retried with the SAME key, like any well-behaved client.
-MAX_ATTEMPTS = 6
+#: Transport errors and 5xx are retried with the SAME key, like any well-behaved client; 12
+#: attempts (backoff capped at 2 s) outlast a PostgreSQL restart (~17 s in all).
+MAX_ATTEMPTS = 12
 _CENT = Decimal("0.01")
 
 

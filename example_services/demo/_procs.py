@@ -36,7 +36,11 @@ class ManagedProcess:
     cwd: Path | None = None
     kills: int = 0
     starts: int = 0
+    pauses: int = 0
     unexpected_exits: list[int] = field(default_factory=list)
+    #: Seconds each unexpected exit came after its process was started (same order).
+    exit_uptimes_s: list[float] = field(default_factory=list)
+    _started_at: float = field(default=0.0, repr=False)
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _log: IO[bytes] | None = field(default=None, repr=False)
 
@@ -60,6 +64,7 @@ class ManagedProcess:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = self.log_path.open("ab")
         self._note(f"demo starts {self.name}: {' '.join(self.argv)}")
+        self._started_at = time.monotonic()
         self._proc = subprocess.Popen(
             list(self.argv),
             env=dict(self.env),
@@ -77,6 +82,7 @@ class ManagedProcess:
         if code is None:
             return None
         self.unexpected_exits.append(code)
+        self.exit_uptimes_s.append(round(time.monotonic() - self._started_at, 1))
         self._proc = None
         return code
 
@@ -90,6 +96,19 @@ class ManagedProcess:
         self._proc = None
         self.kills += 1
 
+    def pause(self) -> None:
+        """SIGSTOP: the process freezes (timers, heartbeats, sockets unread) until resumed."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._note("demo sends SIGSTOP")
+            self._proc.send_signal(signal.SIGSTOP)
+            self.pauses += 1
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause` (a no-op for a running process)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
+            self._note("demo sent SIGCONT")
+
     def stop(self, timeout_s: float = 15.0) -> int | None:
         """SIGTERM, then SIGKILL after ``timeout_s`` seconds. Returns the exit code."""
         proc = self._proc
@@ -97,6 +116,7 @@ class ManagedProcess:
             return None
         if proc.poll() is None:
             self._note("demo sends SIGTERM")
+            proc.send_signal(signal.SIGCONT)  # a paused process cannot act on SIGTERM
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=timeout_s)

@@ -41,7 +41,7 @@ from example_services.payments._models import metadata as payment_metadata
 
 __all__ = ["FAULTS", "DemoOptions", "run_demo"]
 
-FAULTS = ("relay", "consumer", "redis", "duplicates")
+FAULTS = ("relay", "consumer", "redis", "duplicates", "kafka", "postgres")
 PLANT_BUG_ENV = "LEDGERBOX_DEMO_PLANT_BUG"
 PLANTED_BUGS = ("skip-inbox",)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -249,6 +249,20 @@ async def _inject_one(run: _Run, kind: str, rng: random.Random) -> None:
         run.faults.append(
             {"fault": "redis outage", "duration_s": run.opts.redis_outage_s, "at_s": at_s}
         )
+    elif kind in ("kafka", "postgres"):
+        # A restart of the broker (all of it: one node) or of the database server, once: every
+        # daemon loses its connections and must reconnect; nothing may be lost or doubled.
+        down_s = round(rng.uniform(1.0, 3.0), 1)
+        run.log(f"fault: {kind} restart (stopped for {down_s} s)")
+        started = time.monotonic()
+        try:
+            await _services_script(run, f"stop-{kind}")
+            await asyncio.sleep(down_s)
+        finally:
+            await _services_script(run, f"start-{kind}")
+        took = round(time.monotonic() - started, 1)
+        run.log(f"fault: {kind} is back after {took} s")
+        run.faults.append({"fault": f"{kind} restart", "down_s": took, "at_s": at_s})
     elif kind == "duplicates":
         per_topic = max(10, run.opts.orders // 10)
         sent = {
@@ -262,6 +276,8 @@ async def _inject_one(run: _Run, kind: str, rng: random.Random) -> None:
 async def _faults(run: _Run, progress: Progress, rng: random.Random) -> None:
     windows = {"relay": (0.15, 0.5), "consumer": (0.2, 0.6), "redis": (0.1, 0.4)}
     windows["duplicates"] = (0.5, 0.8)
+    windows["kafka"] = (0.3, 0.45)
+    windows["postgres"] = (0.6, 0.75)
     plan = sorted((rng.uniform(*windows[kind]), kind) for kind in run.opts.faults)
     tasks = []
     for at, kind in plan:

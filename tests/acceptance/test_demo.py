@@ -1,11 +1,13 @@
 """The demo end to end: real APIs, relays and consumers in subprocesses, real faults.
 
-1. A small run with every fault (kill -9 of a relay and a consumer, Redis stopped 10 s,
-   duplicate Kafka deliveries) ends with every invariant holding: exit code 0 and a JSON
-   summary saying so.
+1. A small run with the process, Redis and delivery faults (kill -9 of a relay and a consumer,
+   Redis stopped 10 s, duplicate Kafka deliveries) ends with every invariant holding: exit
+   code 0 and a JSON summary saying so.
 2. The checker is not vacuous: with the payment consumer swapped for a planted bug that skips
    the inbox (``LEDGERBOX_DEMO_PLANT_BUG=skip-inbox``) and duplicate deliveries, the demo
    exits 1 and names the broken invariant (a double debit breaks the wallet reconciliation).
+3. What ``make demo`` adds: Kafka and PostgreSQL each restarted once (services.sh) while
+   orders flow; every invariant holds, no daemon crashed.
 """
 
 from __future__ import annotations
@@ -130,3 +132,29 @@ def test_demo_catches_a_planted_double_debit(
     assert "[FAIL] wallet_balance_reconciles" in output
     broken = next(i for i in summary["invariants"] if i["name"] == "wallet_balance_reconciles")
     assert broken["violations"] >= 1 and "difference -" in broken["examples"][0]
+
+
+def test_demo_survives_a_kafka_and_a_postgres_restart(
+    tmp_path: Path,
+    database_server_url: str,
+    kafka_bootstrap: str,
+    redis_url: str,
+    services_script: str,
+) -> None:
+    # What `make demo` adds to the four faults above: the broker and the database server are
+    # each stopped and started once while orders flow; every daemon reconnects by itself.
+    code, output, summary = run_demo(
+        tmp_path,
+        database_server_url,
+        kafka_bootstrap,
+        redis_url,
+        *("--orders", "300", "--customers", "10", "--concurrency", "16", "--seed", "23"),
+        *("--faults", "kafka,postgres"),
+    )
+    assert code == 0, output
+    assert summary["failed_invariants"] == [], output
+    assert sorted(f["fault"] for f in summary["faults"]) == ["kafka restart", "postgres restart"]
+    assert all("error" not in f for f in summary["faults"]), summary["faults"]
+    assert summary["orders"]["created"] == 300 and summary["orders"]["pending"] == 0
+    assert summary["drain"]["drained"] is True
+    assert all(p["crashes"] == [] for p in summary["processes"].values()), summary["processes"]
