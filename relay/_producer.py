@@ -170,12 +170,14 @@ class SharedProducer:
             },
         )
         if attempt % RECREATE_PRODUCER_AFTER == 0:
-            await self.stop()
+            await self.stop(abort=True)
         await self._stop.sleep(self._backoff.delay_s(attempt))
 
-    async def stop(self) -> None:
-        """Flush and stop the producer if it runs (the next :meth:`ensure` starts it)."""
+    async def stop(self, *, abort: bool = False) -> None:
+        """Flush and stop the producer if it runs (the next :meth:`ensure` starts it).
+        ``abort``: fail what it has not delivered yet instead of flushing (recreating it
+        after failures: the rows are sent again by the new one)."""
         async with self._lock:
             if self._ready:
                 self._ready = False
-                await self.publisher.stop()
+                await self.publisher.stop(abort=abort)

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from aiokafka.partitioner import murmur2
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from ledgerbox._core.faults import Fault
 from ledgerbox.relay._errors import PublishError
+from ledgerbox.relay._policy import failure_reason
 
 __all__ = ["KafkaPublisher", "OutboundRecord", "Publisher"]
 
@@ -61,8 +63,9 @@ class Publisher(Protocol):
     async def start(self) -> None:
         """Connect. Raises :class:`PublishError` if the broker cannot be reached."""
 
-    async def stop(self) -> None:
-        """Flush what was handed over and disconnect."""
+    async def stop(self, *, abort: bool = False) -> None:
+        """Flush what was handed over and disconnect. ``abort``: do not flush; fail every
+        record not confirmed yet at once (the relay sends those rows again)."""
 
     def precheck(self, record: OutboundRecord) -> PublishError | None:
         """The error that refuses ``record`` before sending (e.g. too large), else ``None``.
@@ -93,6 +96,19 @@ def partition_for(key: bytes, partitions: Sequence[int]) -> int:
     (sorted ids): ``(murmur2(key) & 0x7fffffff) % len(partitions)``, as aiokafka's
     ``DefaultPartitioner`` and the Java client compute it."""
     return partitions[_key_hash(key) % len(partitions)]
+
+
+async def _force_close(producer: AIOKafkaProducer) -> None:
+    """After a stop() that timed out: stop the sender task and the connections, so that no
+    task nor socket of the old producer outlives it (aiokafka then warns "Unclosed")."""
+    sender = getattr(producer, "_sender", None)
+    task = getattr(sender, "sender_task", None)
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+    with contextlib.suppress(Exception):
+        await producer.client.close()
 
 
 def _failed(exc: BaseException) -> asyncio.Future[Any]:
@@ -175,15 +191,25 @@ class KafkaPublisher:
             raise
         self._producer = producer
 
-    async def stop(self) -> None:
+    async def stop(self, *, abort: bool = False) -> None:
         producer, self._producer = self._producer, None
-        if producer is not None:
-            # stop() flushes; bounded so a dead broker cannot hang shutdown forever.
-            timeout_s = self._kwargs["request_timeout_ms"] / 1000 + 5
-            try:
-                await asyncio.wait_for(producer.stop(), timeout_s)
-            except (TimeoutError, Exception) as exc:
-                log.warning("producer stop failed: %r", exc)
+        if producer is None:
+            return
+        if abort:
+            # aiokafka's stop() waits until every batch is delivered or failed; a producer
+            # recreated after errors (e.g. OutOfOrderSequenceNumber after a cluster restart)
+            # may never deliver them, so fail them now: the lanes see the failure at once
+            # instead of waiting for their bounded confirmation timeout (soak finding).
+            accumulator = getattr(producer, "_message_accumulator", None)
+            if accumulator is not None:
+                accumulator.fail_all(KafkaError("producer recreated after failures"))
+        # stop() flushes; bounded so a dead broker cannot hang shutdown forever.
+        timeout_s = 5.0 if abort else self._kwargs["request_timeout_ms"] / 1000 + 5
+        try:
+            await asyncio.wait_for(producer.stop(), timeout_s)
+        except (TimeoutError, Exception) as exc:
+            log.warning("producer stop failed: %s", failure_reason(exc))
+            await _force_close(producer)
 
     def precheck(self, record: OutboundRecord) -> PublishError | None:
         size: int = DefaultRecordBatchBuilder.estimate_size_in_bytes(

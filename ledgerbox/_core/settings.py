@@ -32,6 +32,7 @@ import inspect
 import logging
 import os
 import re
+import time
 import types
 import typing
 import warnings
@@ -49,6 +50,7 @@ from ledgerbox._core.errors import ConfigurationError
 
 __all__ = [
     "CommandSettings",
+    "RepeatFilter",
     "Setting",
     "SettingsError",
     "Values",
@@ -341,8 +343,9 @@ class CommandSettings:
 
 
 def configure_logging(settings: CommandSettings, level: str) -> None:
-    """``logging.basicConfig`` at ``level`` (any case); an unknown level exits with code 2
-    and one line naming the ``log_level`` setting."""
+    """``logging.basicConfig`` at ``level`` (any case), with the Kafka client's repeated lines
+    rate-limited (:class:`RepeatFilter`); an unknown level exits with code 2 and one line
+    naming the ``log_level`` setting."""
     upper = level.upper()
     if upper not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         settings.fail(
@@ -350,6 +353,54 @@ def configure_logging(settings: CommandSettings, level: str) -> None:
             {"log_level": level},
         )
     logging.basicConfig(level=upper, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RepeatFilter())
+
+
+class RepeatFilter(logging.Filter):
+    """Lets one line of each kind through per ``window_s`` for the loggers under ``prefix``.
+
+    aiokafka logs "Unable connect to node ..." at ERROR on every reconnect attempt (every
+    50 ms): ~75 lines a second per daemon while one broker is down (soak finding). The
+    daemons report the outage themselves, once per change of state; of aiokafka's lines the
+    first of a kind (same logger, level and message template) passes, the repeats within
+    the window are counted, and the next one after it says how many were dropped.
+
+    Parameters
+    ----------
+    prefix : str
+        Logger names this applies to (default ``"aiokafka"``); others always pass.
+    window_s : float
+        Seconds during which a repeat of a line is dropped (default 30).
+    clock : Callable[[], float]
+        Monotonic clock in seconds.
+    """
+
+    def __init__(
+        self,
+        prefix: str = "aiokafka",
+        window_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self._prefix = prefix
+        self._window_s = window_s
+        self._clock = clock
+        self._seen: dict[tuple[str, int, object], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(self._prefix):
+            return True
+        key = (record.name, record.levelno, record.msg)
+        now = self._clock()
+        since, dropped = self._seen.get(key, (-float("inf"), 0))
+        if now - since < self._window_s:
+            self._seen[key] = (since, dropped + 1)
+            return False
+        self._seen[key] = (now, 0)
+        if dropped:
+            record.msg = f"{record.msg} ({dropped} similar lines in the last {self._window_s:g} s)"
+        return True
 
 
 def warn_deprecated(old: str, new: str) -> None:

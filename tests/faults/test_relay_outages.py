@@ -207,3 +207,41 @@ async def test_relay_killed_while_two_others_run_shards_move_no_loss(
     )
     _check_complete_and_ordered(records, writer)
     print(f"kill -9: shards moved in {moved_s:.1f} s (lease ttl 3 s); {total} events, no loss")
+
+
+async def test_a_producer_recreated_after_failures_fails_its_undelivered_records_at_once(
+    kafka_bootstrap: str, services_script: str, new_topic: TopicFactory
+) -> None:
+    """Soak finding: after a whole-cluster restart the relay recreated its producer, the old
+    one's stop() waited for batches it could never deliver (then leaked its sender task), and
+    the lanes waited up to 2 x request_timeout + 5 s for their futures. Aborting the producer
+    fails every record it has not delivered yet at once; the rows are simply sent again."""
+    from ledgerbox.relay import KafkaPublisher, OutboundRecord, PublishError
+
+    topic = new_topic("abort", partitions=1)
+    publisher = KafkaPublisher(kafka_bootstrap, request_timeout_ms=30_000)
+    await publisher.start()
+    record = OutboundRecord(topic=topic, key=b"k", value=b"{}", timestamp_ms=1, headers=[])
+    (warm,) = await publisher.send_many([record])
+    await warm  # metadata known, a connection open
+    await asyncio.to_thread(
+        subprocess.run, ["bash", services_script, "stop-kafka"], check=True, capture_output=True
+    )
+    try:
+        futures = await publisher.send_many([record] * 5)
+        await asyncio.sleep(1.0)
+        assert not any(asyncio.ensure_future(f).done() for f in futures), "undeliverable"
+        started = time.monotonic()
+        await publisher.stop(abort=True)
+        results = await asyncio.wait_for(
+            asyncio.gather(*futures, return_exceptions=True), timeout=10
+        )
+        assert time.monotonic() - started < 10, "not the 30 s request timeout"
+        assert all(isinstance(r, PublishError) for r in results), results
+    finally:
+        await asyncio.to_thread(
+            subprocess.run, ["bash", services_script, "start-kafka"], check=True,
+            capture_output=True,
+        )  # fmt: skip
+    tasks = [t for t in asyncio.all_tasks() if "sender" in repr(t).lower()]
+    assert not [t for t in tasks if not t.done()], "no sender task of the old producer left"
