@@ -699,14 +699,34 @@ security_up() {
   [ -n "${KAFKA_BOOTSTRAP_SERVERS:-}" ] || kafka_security_ensure
 }
 
-print_security_exports() {  # the secured endpoints (no password: the files hold them)
+security_status() {  # one line per secured endpoint (OUTBOX_SECURITY=1 only); rc 1 if one is down
   security_on || return 0
+  local rc=0
+  if port_open "$KAFKA_SASL_SSL_PORT" && port_open "$KAFKA_MTLS_PORT"; then
+    echo "kafka tls: running (SASL_SSL $HOST:$KAFKA_SASL_SSL_PORT, mTLS $HOST:$KAFKA_MTLS_PORT)"
+  else echo "kafka tls: stopped"; rc=1; fi
+  if redis_secure_running; then echo "redis auth: running ($HOST:$REDIS_AUTH_PORT, TLS $HOST:$REDIS_TLS_PORT)"
+  else echo "redis auth: stopped"; rc=1; fi
+  return $rc
+}
+
+print_security_exports() {  # the secured endpoints that answer (no password: files hold them)
+  security_on || return 0
+  [ -f "$SEC_DIR/.complete" ] || { log "no certificates in $SEC_DIR (run up with OUTBOX_SECURITY=1)"; return 0; }
   printf 'export OUTBOX_SEC_DIR=%q\n' "$SEC_DIR"
   printf 'export OUTBOX_SEC_USER=%s\n' "$SEC_USER"
-  printf 'export OUTBOX_SEC_KAFKA_SASL_SSL=%s\n' "$HOST:$KAFKA_SASL_SSL_PORT"
-  printf 'export OUTBOX_SEC_KAFKA_MTLS=%s\n' "$HOST:$KAFKA_MTLS_PORT"
-  printf 'export OUTBOX_SEC_REDIS_AUTH_PORT=%s\n' "$REDIS_AUTH_PORT"
-  printf 'export OUTBOX_SEC_REDIS_TLS_PORT=%s\n' "$REDIS_TLS_PORT"
+  if port_open "$KAFKA_SASL_SSL_PORT" && port_open "$KAFKA_MTLS_PORT"; then
+    printf 'export OUTBOX_SEC_KAFKA_SASL_SSL=%s\n' "$HOST:$KAFKA_SASL_SSL_PORT"
+    printf 'export OUTBOX_SEC_KAFKA_MTLS=%s\n' "$HOST:$KAFKA_MTLS_PORT"
+  else
+    log "the secured Kafka listeners do not answer (ports $KAFKA_SASL_SSL_PORT, $KAFKA_MTLS_PORT)"
+  fi
+  if redis_secure_running; then
+    printf 'export OUTBOX_SEC_REDIS_AUTH_PORT=%s\n' "$REDIS_AUTH_PORT"
+    printf 'export OUTBOX_SEC_REDIS_TLS_PORT=%s\n' "$REDIS_TLS_PORT"
+  else
+    log "the secured Redis does not answer (port $REDIS_AUTH_PORT)"
+  fi
 }
 
 # ---------------------------------------------------------------- commands
@@ -736,6 +756,7 @@ cmd_up() {
   local t0=$SECONDS
   if [ -n "${DATABASE_URL:-}" ] && [ -n "${KAFKA_BOOTSTRAP_SERVERS:-}" ] && [ -n "${REDIS_URL:-}" ]; then
     log "DATABASE_URL, KAFKA_BOOTSTRAP_SERVERS and REDIS_URL already set: starting nothing"
+    if security_on; then lock_state; security_up; fi
     print_exports >&3
     return 0
   fi
@@ -760,6 +781,7 @@ cmd_status() {
   if pid="$(kafka_pid)" && port_open "$KAFKA_PORT"; then echo "kafka:    running ($HOST:$KAFKA_PORT, pid $pid, Kafka $KAFKA_VERSION KRaft)"
   elif [ -n "${pid:-}" ]; then echo "kafka:    starting (pid $pid, port $KAFKA_PORT not open)"; rc=1
   else echo "kafka:    stopped"; rc=1; fi
+  security_status || rc=1
   return $rc
 }
 

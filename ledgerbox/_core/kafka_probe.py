@@ -130,9 +130,9 @@ async def _probe_one(
         return KafkaProblem(
             True,
             "CertificateUntrusted",
-            f"{where}: its TLS certificate is not trusted ({reason}): set kafka_ssl_cafile to "
-            "the CA that signed the brokers' certificates (and connect by a name the "
-            "certificate holds)",
+            f"{where} has a TLS certificate this client does not trust ({reason}): set "
+            "kafka_ssl_cafile to the CA that signed the brokers' certificates (and connect by "
+            "a name the certificate holds)",
         )
     except Exception as exc:
         return await _diagnose(settings, host, port, timeout_s, exc)
