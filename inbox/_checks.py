@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
 from ledgerbox._core.errors import BrokerError, DatabaseError
+from ledgerbox._core.faults import login_refused
 from ledgerbox._core.kafka import KafkaSettings
 from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka
 from ledgerbox._core.names import SCHEMA_REVISION, SCHEMA_VERSION_TABLE
@@ -130,7 +131,7 @@ async def _check_database(config: ConsumerConfig, timeout_s: float) -> CheckResu
         if error is None:
             raise
         detail = _detail(error)
-        if _login_refused(exc) or (error.sqlstate or "").startswith("28"):
+        if login_refused(exc):
             return _down(
                 f"database at {where} refused the login of user {url.username!r} to database "
                 f"{url.database!r} (wrong or missing password, or no such database): {detail}: "
@@ -186,25 +187,6 @@ async def _check_schema(conn: AsyncConnection, config: ConsumerConfig) -> CheckR
             f'ALTER DATABASE "{database}" RESET default_transaction_read_only'
         )
     return None
-
-
-def _login_refused(exc: BaseException) -> bool:
-    # libpq says whether the server asked for a password (``needs_password``: none given)
-    # or took ours (``used_password``) before the connection failed: the server answered
-    # and refused this login, which waiting does not fix. (A connection-time error carries
-    # no SQLSTATE in libpq, and the message text is never read.)
-    item: BaseException | None = exc
-    seen = 0
-    while item is not None and seen < 10:
-        pgconn = getattr(item, "pgconn", None)
-        if pgconn is not None:
-            return bool(getattr(pgconn, "used_password", False)) or bool(
-                getattr(pgconn, "needs_password", False)
-            )
-        orig = getattr(item, "orig", None)
-        item = orig if isinstance(orig, BaseException) else item.__cause__
-        seen += 1
-    return False
 
 
 def kafka_start_fault(exc: BaseException, servers: str) -> CheckResult:

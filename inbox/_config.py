@@ -131,10 +131,11 @@ class ConsumerConfig:
 
     group_id: str
     topics: Sequence[str]
-    database_url: str
+    # repr=False: a config in a log line or a traceback must not show a URL's password.
+    database_url: str = field(repr=False)
     kafka_bootstrap_servers: str = ""
     kafka: KafkaSettings | None = None
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)
     redis_ssl_cafile: str | None = None
     inbox_table: str = "inbox"
     schema: str | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from ledgerbox._core.faults import Fault
+from ledgerbox._core.faults import Fault, login_refused
 from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka
 from ledgerbox._core.names import SCHEMA_REVISION, SCHEMA_REVISIONS
 from ledgerbox.relay._config import RelayConfig
@@ -88,6 +88,9 @@ async def check_relay(
         pending_topics = report.pending_topics
         if not found:
             healthy.append(f"database ok (schema {report.revision or 'embedded'})")
+    if any(p.permanent for p in problems):
+        # The relay will not start (run exits with this line alone): Kafka is not asked.
+        return CheckResult(problems, healthy)
     servers = config.kafka_settings.bootstrap_servers
     login = await probe_kafka(config.kafka_settings, timeout_s=timeout_s)
     if login is not None:
@@ -132,7 +135,7 @@ async def check_relay(
 
 def _database_problem(exc: StoreError) -> Problem:
     state = exc.sqlstate or ""
-    if state.startswith("28"):
+    if login_refused(exc):
         return Problem(
             True, f"the database refused the login ({exc}): fix the user or password of the "
             "database URL"

@@ -98,7 +98,8 @@ class RelayConfig:
         the field.
     """
 
-    database_url: str
+    # repr=False: a config in a log line or a traceback must not show the URL's password.
+    database_url: str = field(repr=False)
     kafka_bootstrap_servers: str = ""
     kafka: KafkaSettings | None = field(default=None, metadata={"setting": False})
     outbox_table: str = "outbox"

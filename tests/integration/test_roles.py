@@ -199,3 +199,26 @@ async def test_a_missing_grant_is_named_by_check(
     assert line.startswith(f'down: role "{consumer}" lacks INSERT on inbox table "inbox"'), line
     assert line.endswith(f'GRANT INSERT ON inbox TO "{consumer}"'), line
     assert roles.passwords["consumer"] not in out
+
+
+async def test_a_wrong_database_password_makes_relay_run_exit_2_in_one_line(
+    roles: Roles, kafka_bootstrap: str
+) -> None:
+    """Before: libpq reports a refused password without an SQLSTATE, so the relay's check
+    called it "unreachable" and `relay run` waited forever. Now (faults.login_refused reads
+    libpq's used_password) it exits 2 with one line, without the password, and without
+    asking Kafka."""
+    wrong = sa.make_url(roles.urls["relay"]).set(password="not-the-relay-password")
+    env = s.clean_env(
+        DATABASE_URL=wrong.render_as_string(hide_password=False),
+        KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap,
+    )
+    code, out = await asyncio.to_thread(s.run, ["relay", "run"], env, 60)
+    assert code == 2, out
+    (line,) = s.lines(out)
+    assert line.startswith("ledgerbox relay: the database refused the login (connect failed: "), (
+        line
+    )
+    assert line.endswith("fix the user or password of the database URL"), line
+    assert f'password authentication failed for user "{roles.names["relay"]}"' in line
+    assert "not-the-relay-password" not in out and "Traceback" not in out

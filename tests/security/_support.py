@@ -250,11 +250,17 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+#: ``entry=UNSCRUBBED``: the real CLI with the redaction safety net off (tests/unscrubbed_entry.py).
+UNSCRUBBED = "tests.unscrubbed_entry"
+
+
+def start(
+    args: list[str], env: dict[str, str], log: Path, *, entry: str = "ledgerbox"
+) -> subprocess.Popen[bytes]:
     """``python -m ledgerbox ARGS`` (the real CLI) with stdout and stderr into ``log``."""
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "ledgerbox", *args],
+            [sys.executable, "-m", entry, *args],
             cwd=REPO,
             env=env,
             stdout=out,
@@ -262,10 +268,12 @@ def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[b
         )
 
 
-def run(args: list[str], env: dict[str, str], timeout_s: float = 120) -> tuple[int, str]:
+def run(
+    args: list[str], env: dict[str, str], timeout_s: float = 120, *, entry: str = "ledgerbox"
+) -> tuple[int, str]:
     """``python -m ledgerbox ARGS`` to completion: ``(exit code, stdout + stderr)``."""
     done = subprocess.run(
-        [sys.executable, "-m", "ledgerbox", *args],
+        [sys.executable, "-m", entry, *args],
         cwd=REPO,
         env=env,
         capture_output=True,
