@@ -45,7 +45,11 @@ from ledgerbox.inbox._health import HEALTH_CODES
 
 __all__ = ["CONSUMER_SETTINGS", "app", "load_consumer"]
 
-app = typer.Typer(help="ledgerbox inbox consumer: run handlers, check health, purge.")
+# pretty_exceptions_show_locals=False: a traceback must not print local values (secrets).
+app = typer.Typer(
+    help="ledgerbox inbox consumer: run handlers, check health, purge.",
+    pretty_exceptions_show_locals=False,
+)
 
 
 def _refused(command: str, exc: BaseException) -> typer.Exit:

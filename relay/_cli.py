@@ -43,7 +43,12 @@ from ledgerbox.relay._relay import Relay
 
 __all__ = ["RELAY_SETTINGS", "app", "main"]
 
-app = typer.Typer(help="ledgerbox relay: publish committed outbox events to Kafka.")
+# pretty_exceptions_show_locals=False: an unexpected traceback must not print the values
+# (URLs, passwords) of the local variables (typer before 0.12.4 showed them by default).
+app = typer.Typer(
+    help="ledgerbox relay: publish committed outbox events to Kafka.",
+    pretty_exceptions_show_locals=False,
+)
 
 #: Every setting of ``ledgerbox relay`` (the fields of RelayConfig, then the daemon's own).
 RELAY_SETTINGS = CommandSettings(

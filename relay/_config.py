@@ -12,7 +12,7 @@ from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import sql_identifier
 from ledgerbox._core.kafka import KafkaSettings
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
-from ledgerbox._core.redaction import redact_url, remember_url
+from ledgerbox._core.redaction import remember_url
 
 __all__ = ["Compression", "OnDeadLetter", "RelayConfig"]
 
@@ -183,11 +183,6 @@ class RelayConfig:
         ``kafka_bootstrap_servers``."""
         assert self._kafka is not None
         return self._kafka
-
-    @property
-    def redacted_database_url(self) -> str:
-        """``database_url`` without its password, for messages."""
-        return redact_url(self.database_url)
 
     @property
     def database_label(self) -> str:
