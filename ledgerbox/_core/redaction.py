@@ -8,14 +8,17 @@ Three tools, used at every edge that prints or logs:
   log lines and messages.
 * :func:`remember` / :func:`scrub`: a process-wide set of the secret values in use (the
   configs add theirs when they are built). :func:`scrub` replaces every one of them in a text
-  by ``***``; the commands apply it to what they print and :class:`ScrubFilter` to every log
-  record, a safety net under the rule that no message is built with a secret in it.
+  by ``***`` where it stands on its own (not inside a longer word: a password ``postgres``
+  leaves ``postgresql`` alone); the commands apply it to what they print and
+  :class:`ScrubFilter` to every log record, a safety net under the rule that no message is
+  built with a secret in it.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import re
 import threading
 import urllib.parse
 from pathlib import Path
@@ -39,6 +42,7 @@ MASK = "***"
 _MIN_SCRUBBED = 4
 _KNOWN: set[str] = set()
 _KNOWN_LOCK = threading.Lock()
+_PATTERN: list[re.Pattern[str] | None] = [None]  # built on first scrub after a remember
 
 
 class Secret:
@@ -117,11 +121,14 @@ def remember(value: str | None) -> None:
     shorter than 4 characters, which would mask ordinary words)."""
     if value and len(value) >= _MIN_SCRUBBED:
         with _KNOWN_LOCK:
+            before = len(_KNOWN)
             _KNOWN.add(value)
             # Also as it appears inside a URL (percent-encoded).
             quoted = urllib.parse.quote(value, safe="")
             if quoted != value:
                 _KNOWN.add(quoted)
+            if len(_KNOWN) != before:
+                _PATTERN[0] = None
 
 
 def remember_url(url: str | None) -> None:
@@ -141,13 +148,18 @@ def remember_url(url: str | None) -> None:
 
 
 def scrub(text: str) -> str:
-    """``text`` with every remembered secret replaced by ``***`` (longest first)."""
+    """``text`` with every remembered secret replaced by ``***`` (longest first), where it is
+    not part of a longer word (no letter, digit or ``_`` right before or after it)."""
     with _KNOWN_LOCK:
-        known = sorted(_KNOWN, key=len, reverse=True)
-    for value in known:
-        if value in text:
-            text = text.replace(value, MASK)
-    return text
+        pattern = _PATTERN[0]
+        if pattern is None and _KNOWN:
+            values = sorted(_KNOWN, key=len, reverse=True)
+            alternatives = "|".join(re.escape(v) for v in values)
+            pattern = re.compile(rf"(?<![A-Za-z0-9_])(?:{alternatives})(?![A-Za-z0-9_])")
+            _PATTERN[0] = pattern
+    if pattern is None:
+        return text
+    return pattern.sub(MASK, text)
 
 
 _SECRET_QUERY_KEYS = frozenset({"password", "sslpassword", "pass", "token", "secret"})

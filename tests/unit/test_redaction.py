@@ -57,11 +57,13 @@ def test_configs_remember_their_passwords_and_scrub_masks_them() -> None:
     assert scrub(text) == "a: *** b: *** c: *** d: *** e: pass"
 
 
-def test_short_values_are_not_scrubbed_from_ordinary_words() -> None:
+def test_short_values_and_parts_of_words_are_not_scrubbed() -> None:
     remember("pw")
     remember(None)
     remember_url("not a url at all")
     assert scrub("a pw in a text") == "a pw in a text"
+    remember("postgres")  # the local test password: "postgresql" must stay readable
+    assert scrub("postgresql://u:postgres@h/db is postgres") == "postgresql://u:***@h/db is ***"
 
 
 def test_a_secret_prints_as_stars_and_reveals_only_on_request(tmp_path: Any) -> None:
