@@ -13,14 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.abc import AbstractTokenProvider
 
 from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, KafkaSettings, Secret
@@ -334,15 +333,6 @@ async def read_topic(
     return records
 
 
-async def send(kafka: KafkaSettings, topic: str, value: bytes) -> None:
-    producer = AIOKafkaProducer(**kafka.client_kwargs(), acks="all")
-    await producer.start()
-    try:
-        await producer.send_and_wait(topic, value)
-    finally:
-        await producer.stop()
-
-
 class CountingProxy:
     """A TCP port that forwards to ``target`` and counts the connections made to it and the
     logins: connections that sent anything (a TCP reachability check sends nothing). For a
@@ -393,11 +383,3 @@ class CountingProxy:
                 dst.close()
 
         await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
-
-
-def iter_texts(*items: Any) -> Iterator[str]:
-    for item in items:
-        if isinstance(item, Path):
-            yield item.read_text(errors="replace") if item.exists() else ""
-        else:
-            yield str(item)
