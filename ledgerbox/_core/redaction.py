@@ -197,7 +197,7 @@ class ScrubFilter(logging.Filter):
         except Exception:  # a broken format string: leave it to the handler to report
             return True
         cleaned = scrub(message)
-        if cleaned != message or record.args:
+        if cleaned != message:  # else the record stays as it was (args kept for others)
             record.msg, record.args = cleaned, None
         if record.exc_info and record.exc_info[1] is not None:
             formatted = logging.Formatter().formatException(record.exc_info)
