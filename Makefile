@@ -1,4 +1,5 @@
-# One entry for everything: `make demo`, `make test`, `make bench`, `make soak`.
+# One entry for everything: `make demo`, `make test`, `make test-security`, `make bench`,
+# `make soak`.
 # Each target creates the virtual environment, installs the project, brings the services up
 # (scripts/services.sh: PostgreSQL, Redis, Apache Kafka; nothing is started when
 # DATABASE_URL, KAFKA_BOOTSTRAP_SERVERS and REDIS_URL are already set) and runs.
@@ -8,10 +9,14 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SERVICES := eval "$$(bash scripts/services.sh up)"
+# The secured endpoints too (TLS/SASL Kafka listeners, Redis with AUTH and TLS, PostgreSQL
+# ssl=on: docs/security.md); they print OUTBOX_SEC_* for tests/security.
+SECURE_SERVICES := eval "$$(OUTBOX_SECURITY=1 bash scripts/services.sh up)"
 PYTEST_ARGS ?=
 PY_DIRS := ledgerbox outbox relay inbox migrations example_services tests bench
 
-.PHONY: venv services test lint unit demo bench soak soak-short test-cluster clean down
+.PHONY: venv services test test-security lint unit demo bench soak soak-short test-cluster clean
+.PHONY: down
 
 venv: $(VENV)/.installed
 
@@ -36,8 +41,12 @@ lint: venv
 unit: venv
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
 
+# tests/security needs the secured endpoints: `make test-security` (CI runs both).
 test: venv lint
-	$(SERVICES); $(PY) -m pytest -rfEs -p no:cacheprovider $(PYTEST_ARGS)
+	$(SERVICES); $(PY) -m pytest -rfEs -p no:cacheprovider --ignore=tests/security $(PYTEST_ARGS)
+
+test-security: venv
+	$(SECURE_SERVICES); $(PY) -m pytest -rfEs -p no:cacheprovider tests/security $(PYTEST_ARGS)
 
 demo: venv
 	$(SERVICES); $(PY) -m example_services.demo $(DEMO_ARGS)

@@ -12,6 +12,9 @@ Example
 ...     await aupdate_versioned(ctx.session, account, {"id": row.id}, row.version, {...})
 >>> await consumer.run()                                        # doctest: +SKIP
 
+Against a secured cluster, give ``ConsumerConfig(kafka=KafkaSettings.from_env("consumer"),
+...)``: the ``KAFKA_*`` variables of docs/security.md (TLS, SASL, secrets from files).
+
 The handler's writes commit in one transaction with the event's inbox row: a redelivered
 event finds the row and is acknowledged without running the handler (G4). Redis only speeds
 this up (G6). The guarantees: ``docs/guarantees.md``.
@@ -21,6 +24,8 @@ if __name__ != "ledgerbox.inbox":  # the repository folder is importable from it
     raise ImportError(f"import ledgerbox.inbox, not {__name__} (one import package: ledgerbox)")
 
 
+from ledgerbox._core.kafka import KafkaSettings
+from ledgerbox._core.redaction import Secret
 from ledgerbox.inbox._config import ConsumerConfig
 from ledgerbox.inbox._consumer import InboxConsumer
 from ledgerbox.inbox._context import HandlerContext
@@ -53,11 +58,13 @@ __all__ = [
     "InboxError",
     "InboxStatus",
     "InboxTable",
+    "KafkaSettings",
     "LockBusyError",
     "Outcome",
     "RedisAggregateLock",
     "RedisDedupStore",
     "RedisUnavailableError",
+    "Secret",
     "StartupError",
     "UnhandledEventError",
     "VersionConflictError",

@@ -9,8 +9,10 @@ Checked in order, the first failure decides:
    the one this code needs when ``ledgerbox_alembic_version`` exists;
 3. the role may SELECT, INSERT and UPDATE the inbox table (``has_table_privilege``);
 4. new transactions are not read-only (``default_transaction_read_only``, a standby);
-5. Kafka answers (refused credentials: permanent) and the subscribed topics exist, or the
-   broker creates topics on first use (``auto.create.topics.enable``);
+5. Kafka answers and accepts the TLS and SASL settings (one login by hand,
+   :func:`ledgerbox._core.kafka_probe.probe_kafka`: a refused password, a TLS listener spoken
+   to in plaintext or an untrusted certificate is permanent) and the subscribed topics exist,
+   or the broker creates topics on first use (``auto.create.topics.enable``);
 6. Redis answers (else ``degraded``: the consumer stays correct on the database alone).
 
 Every failure but refused credentials is transient: ``run`` waits for it to pass (health
@@ -28,23 +30,18 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
 from ledgerbox._core.errors import BrokerError, DatabaseError
+from ledgerbox._core.faults import login_refused
+from ledgerbox._core.kafka import KafkaSettings
+from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka
 from ledgerbox._core.names import SCHEMA_REVISION, SCHEMA_VERSION_TABLE
 from ledgerbox.inbox._config import ConsumerConfig
 from ledgerbox.inbox._health import Health
 from ledgerbox.inbox._table import InboxTable
 
-__all__ = ["CheckResult", "check_consumer", "kafka_start_fault"]
+__all__ = ["CheckResult", "check_consumer", "kafka_start_fault", "kafka_start_verdict"]
 
 #: Kafka client errors that mean the credentials were refused: waiting will not fix them.
-_KAFKA_AUTH = frozenset(
-    {
-        "SaslAuthenticationFailed",
-        "AuthenticationFailedError",
-        "AuthenticationMethodNotSupported",
-        "UnsupportedSaslMechanismError",
-        "IllegalSaslStateError",
-    }
-)
+_KAFKA_AUTH = LOGIN_REFUSED
 
 _COLUMNS = sa.text(
     "SELECT attname FROM pg_attribute "
@@ -134,7 +131,7 @@ async def _check_database(config: ConsumerConfig, timeout_s: float) -> CheckResu
         if error is None:
             raise
         detail = _detail(error)
-        if _login_refused(exc) or (error.sqlstate or "").startswith("28"):
+        if login_refused(exc):
             return _down(
                 f"database at {where} refused the login of user {url.username!r} to database "
                 f"{url.database!r} (wrong or missing password, or no such database): {detail}: "
@@ -192,25 +189,6 @@ async def _check_schema(conn: AsyncConnection, config: ConsumerConfig) -> CheckR
     return None
 
 
-def _login_refused(exc: BaseException) -> bool:
-    # libpq says whether the server asked for a password (``needs_password``: none given)
-    # or took ours (``used_password``) before the connection failed: the server answered
-    # and refused this login, which waiting does not fix. (A connection-time error carries
-    # no SQLSTATE in libpq, and the message text is never read.)
-    item: BaseException | None = exc
-    seen = 0
-    while item is not None and seen < 10:
-        pgconn = getattr(item, "pgconn", None)
-        if pgconn is not None:
-            return bool(getattr(pgconn, "used_password", False)) or bool(
-                getattr(pgconn, "needs_password", False)
-            )
-        orig = getattr(item, "orig", None)
-        item = orig if isinstance(orig, BaseException) else item.__cause__
-        seen += 1
-    return False
-
-
 def kafka_start_fault(exc: BaseException, servers: str) -> CheckResult:
     """The verdict for a Kafka client that could not start against ``servers``:
     refused credentials are permanent, anything else (no broker answers) transient."""
@@ -226,20 +204,29 @@ def kafka_start_fault(exc: BaseException, servers: str) -> CheckResult:
     )
 
 
+async def kafka_start_verdict(exc: BaseException, kafka: KafkaSettings) -> CheckResult:
+    """:func:`kafka_start_fault`, after one login by hand when aiokafka's error hides the
+    cause ("Unable to bootstrap"): a refused password or a TLS mismatch is permanent."""
+    problem = await probe_kafka(kafka)
+    if problem is not None and problem.kind != "Unreachable":
+        return _down(problem.cause, permanent=problem.permanent)
+    return kafka_start_fault(exc, kafka.bootstrap_servers)
+
+
 async def _check_kafka(
     config: ConsumerConfig, check_topics: bool, timeout_s: float
 ) -> CheckResult | None:
     from aiokafka import AIOKafkaConsumer
 
-    servers = config.kafka_bootstrap_servers
-    if not await _any_accepts(servers, timeout_s):
-        # Checked first so that a broker that is away costs no aiokafka client (which logs
-        # an ERROR line of its own for every refused connection).
-        return _down(
-            f"kafka unreachable at {servers}: no bootstrap server accepts connections: "
-            "start it or fix kafka_bootstrap_servers"
-        )
-    probe = AIOKafkaConsumer(bootstrap_servers=servers, request_timeout_ms=int(timeout_s * 1000))
+    kafka = config.kafka_settings
+    servers = kafka.bootstrap_servers
+    # Checked first so that a broker that is away, or refuses our login, costs no aiokafka
+    # client (which logs an ERROR line of its own for every refused connection and hides
+    # the cause of a refusal behind "Unable to bootstrap").
+    problem = await probe_kafka(kafka, timeout_s)
+    if problem is not None:
+        return _down(problem.cause, permanent=problem.permanent)
+    probe = AIOKafkaConsumer(**kafka.client_kwargs(), request_timeout_ms=int(timeout_s * 1000))
     try:
         async with asyncio.timeout(timeout_s + 5):
             await probe.start()
@@ -253,7 +240,7 @@ async def _check_kafka(
             await probe.stop()
     wanted = {t for t, _p in config.assignment} if config.assignment else set(config.topics)
     missing = sorted(wanted - set(topics)) if check_topics else []
-    if missing and not await _auto_creates_topics(servers, timeout_s):
+    if missing and not await _auto_creates_topics(kafka, timeout_s):
         return _down(
             f"topic(s) {', '.join(missing)} do not exist on kafka at {servers} and the broker "
             "does not create topics (auto.create.topics.enable=false): create them"
@@ -261,28 +248,12 @@ async def _check_kafka(
     return None
 
 
-async def _any_accepts(servers: str, timeout_s: float) -> bool:
-    # A TCP connection to one ``host:port`` of the list; nothing is sent.
-    for item in servers.split(","):
-        host, _, port = item.strip().rpartition(":")
-        try:
-            async with asyncio.timeout(min(timeout_s, 5.0)):
-                _reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
-        except (OSError, TimeoutError, ValueError):
-            continue
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return True
-    return False
-
-
-async def _auto_creates_topics(servers: str, timeout_s: float) -> bool:
+async def _auto_creates_topics(kafka: KafkaSettings, timeout_s: float) -> bool:
     # The broker's own setting; unknown (no permission to describe it) counts as "no".
     from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=servers, request_timeout_ms=int(timeout_s * 1000))
+    admin = AIOKafkaAdminClient(**kafka.client_kwargs(), request_timeout_ms=int(timeout_s * 1000))
     try:
         async with asyncio.timeout(timeout_s + 5):
             await admin.start()
@@ -309,7 +280,11 @@ async def _check_redis(config: ConsumerConfig, timeout_s: float) -> CheckResult 
     from ledgerbox.inbox._redis import RedisDedupStore, redis_client
 
     assert config.redis_url is not None
-    client = redis_client(config.redis_url, timeout_s=min(config.redis_timeout_s, timeout_s))
+    client = redis_client(
+        config.redis_url,
+        timeout_s=min(config.redis_timeout_s, timeout_s),
+        ca_file=config.redis_ssl_cafile,
+    )
     try:
         await RedisDedupStore(client).ping()
     except Exception as exc:

@@ -9,6 +9,12 @@ former prefix ``LEDGERBOX_INBOX_`` works for one release, with a warning. The me
 inbox table missing or behind, privilege, read-only database, topics missing); it prints one
 line naming the cause and the fix (:mod:`ledgerbox.inbox._checks`). ``run`` and ``purge``
 report an expected refusal in one line on stderr and exit 2, without a traceback.
+
+Kafka security: the app's ``ConsumerConfig(kafka=...)`` decides (build it with
+``KafkaSettings.from_env("consumer")`` to read ``LEDGERBOX_CONSUMER_KAFKA_*`` / ``KAFKA_*``);
+``check`` without ``--app`` takes the same settings as flags (docs/security.md). The metrics
+endpoint binds ``--metrics-host`` (default ``127.0.0.1``). What the commands print and log
+is scrubbed of every secret in use (:mod:`ledgerbox._core.redaction`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from typing import Any
 
 import typer
 
-from ledgerbox._core.errors import LedgerboxError
+from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
+from ledgerbox._core.errors import ConfigurationError, LedgerboxError
+from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
+from ledgerbox._core.redaction import install_scrub_filter, scrub
 from ledgerbox._core.settings import (
     CommandSettings,
     Setting,
@@ -36,12 +45,16 @@ from ledgerbox.inbox._health import HEALTH_CODES
 
 __all__ = ["CONSUMER_SETTINGS", "app", "load_consumer"]
 
-app = typer.Typer(help="ledgerbox inbox consumer: run handlers, check health, purge.")
+# pretty_exceptions_show_locals=False: a traceback must not print local values (secrets).
+app = typer.Typer(
+    help="ledgerbox inbox consumer: run handlers, check health, purge.",
+    pretty_exceptions_show_locals=False,
+)
 
 
 def _refused(command: str, exc: BaseException) -> typer.Exit:
     # An expected refusal (settings, credentials, a purge inside the dedup window): one line.
-    typer.echo(f"ledgerbox consumer {command}: {exc}", err=True)
+    typer.echo(scrub(f"ledgerbox consumer {command}: {exc}"), err=True)
     return typer.Exit(2)
 
 
@@ -58,6 +71,13 @@ CONSUMER_SETTINGS = CommandSettings(
         Setting("log_level", str, default="INFO", help="Logging level (DEBUG, INFO, WARNING)"),
         Setting("metrics_port", int, help="Serve Prometheus metrics on this port (unset: off)"),
         Setting(
+            "metrics_host",
+            str,
+            default=DEFAULT_HOST,
+            help="Address the metrics endpoint binds to (another one exposes it beyond this "
+            "machine)",
+        ),
+        Setting(
             "database_url",
             str,
             help="SQLAlchemy URL of the inbox database (check without --app)",
@@ -71,12 +91,18 @@ CONSUMER_SETTINGS = CommandSettings(
             help="host:port[,host:port] (check without --app)",
             well_known=("KAFKA_BOOTSTRAP_SERVERS",),
         ),
+        *cli_settings(),
         Setting(
             "redis_url",
             str,
-            help="redis://... (check without --app; unset: no Redis)",
+            help="redis://... or rediss://... (check without --app; unset: no Redis)",
             well_known=("REDIS_URL",),
             secret=True,
+        ),
+        Setting(
+            "redis_ssl_cafile",
+            str,
+            help="PEM file of the Redis server's CA, for rediss:// (check without --app)",
         ),
         Setting(
             "older_than_s",
@@ -126,23 +152,34 @@ async def _run(consumer: InboxConsumer) -> None:
     await consumer.run()
 
 
-@CONSUMER_SETTINGS.typer_command(app, "run", ["app", "log_level", "metrics_port"])
+@CONSUMER_SETTINGS.typer_command(app, "run", ["app", "log_level", "metrics_port", "metrics_host"])
 def run_command(values: Values, ctx: typer.Context) -> None:
     """Run the consumer until SIGTERM/SIGINT; in-flight records finish, offsets commit."""
     configure_logging(CONSUMER_SETTINGS, values["log_level"])
+    install_scrub_filter()
     try:
         consumer = load_consumer(_require_app(values))
         if values["metrics_port"] is not None:
-            from prometheus_client import start_http_server
-
-            start_http_server(values["metrics_port"])
+            try:
+                serve_metrics(values["metrics_port"], values["metrics_host"])
+            except ConfigurationError as exc:
+                CONSUMER_SETTINGS.fail(exc, values)
         asyncio.run(_run(consumer))
     except LedgerboxError as exc:  # invalid settings, refused credentials
         raise _refused("run", exc) from None
 
 
 @CONSUMER_SETTINGS.typer_command(
-    app, "check", ["app", "database_url", "kafka_bootstrap_servers", "redis_url"]
+    app,
+    "check",
+    [
+        "app",
+        "database_url",
+        "kafka_bootstrap_servers",
+        *KAFKA_SETTING_NAMES,
+        "redis_url",
+        "redis_ssl_cafile",
+    ],
 )
 def check_command(values: Values, ctx: typer.Context) -> None:
     """Print ok / degraded: cause / down: cause (one line with the fix); exit 0 / 1 / 2."""
@@ -160,15 +197,21 @@ def check_command(values: Values, ctx: typer.Context) -> None:
                         setting=name,
                     )
                 )
-        config = ConsumerConfig(
-            group_id="ledgerbox-check",
-            topics=["ledgerbox-check"],
-            database_url=values["database_url"],
-            kafka_bootstrap_servers=values["kafka_bootstrap_servers"],
-            redis_url=values["redis_url"],
-        )
+        try:
+            config = ConsumerConfig(
+                group_id="ledgerbox-check",
+                topics=["ledgerbox-check"],
+                database_url=values["database_url"],
+                kafka=KafkaSettings.from_values(
+                    values, bootstrap_servers=values["kafka_bootstrap_servers"]
+                ),
+                redis_url=values["redis_url"],
+                redis_ssl_cafile=values["redis_ssl_cafile"],
+            )
+        except ConfigurationError as exc:
+            CONSUMER_SETTINGS.fail(exc, values)
     result = asyncio.run(check_consumer(config, check_topics=values["app"] is not None))
-    typer.echo(result.line)
+    typer.echo(scrub(result.line))
     raise typer.Exit(HEALTH_CODES[result.state])
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from ledgerbox._core.backoff import Backoff
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import sql_identifier
+from ledgerbox._core.kafka import KafkaSettings
+from ledgerbox._core.redaction import remember_url
 
 __all__ = ["DEFAULT_RETENTION_S", "ConsumerConfig", "OnUnhandled"]
 
@@ -32,10 +35,22 @@ class ConsumerConfig:
         Topics to subscribe to (at least one).
     database_url : str
         SQLAlchemy URL, ``postgresql+psycopg://...`` (used for the sync and async engines).
+        TLS settings go in its query and reach psycopg as they are (``?sslmode=verify-full&
+        sslrootcert=/etc/ssl/db-ca.pem``; docs/security.md). Its password is never logged.
     kafka_bootstrap_servers : str
-        ``host:port[,host:port]``.
+        ``host:port[,host:port]``. Alone it means PLAINTEXT; ``kafka`` adds TLS and a login.
+    kafka : KafkaSettings | None
+        Where Kafka is and how to log in, for the consumer, its dead-letter producer and its
+        checks (docs/security.md; :meth:`KafkaSettings.from_env` reads the ``ledgerbox
+        consumer`` variables); ``None``: ``kafka_bootstrap_servers`` in PLAINTEXT. Give one
+        of the two (both only if their servers agree).
     redis_url : str | None
         ``redis://...`` for the fast path (dedup hint, aggregate locks); ``None``: DB only.
+        ``redis://user:password@host:6379/0`` logs in with an ACL user (or ``:password@``
+        with ``requirepass``); ``rediss://`` is TLS.
+    redis_ssl_cafile : str | None
+        PEM file of the CA that signed the Redis server's certificate, for ``rediss://``;
+        ``None``: the system's CAs.
     inbox_table, schema : str, str | None
         Name and schema of the inbox table (validated SQL identifiers).
     dead_letter_topic : str | None
@@ -116,9 +131,12 @@ class ConsumerConfig:
 
     group_id: str
     topics: Sequence[str]
-    database_url: str
-    kafka_bootstrap_servers: str
-    redis_url: str | None = None
+    # repr=False: a config in a log line or a traceback must not show a URL's password.
+    database_url: str = field(repr=False)
+    kafka_bootstrap_servers: str = ""
+    kafka: KafkaSettings | None = None
+    redis_url: str | None = field(default=None, repr=False)
+    redis_ssl_cafile: str | None = None
     inbox_table: str = "inbox"
     schema: str | None = None
     dead_letter_topic: str | None = None
@@ -145,10 +163,39 @@ class ConsumerConfig:
     client_id: str | None = None
     redis_key_prefix: str = "ledgerbox:"
     _backoff: Backoff = field(init=False, repr=False, compare=False)
+    _kafka: KafkaSettings = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.group_id:
             raise ConfigurationError("group_id must not be empty")
+        remember_url(self.database_url)
+        remember_url(self.redis_url)
+        kafka = self.kafka
+        if kafka is None:
+            if not self.kafka_bootstrap_servers:
+                raise ConfigurationError(
+                    "kafka_bootstrap_servers must not be empty (or give kafka=KafkaSettings(...))",
+                    setting="kafka_bootstrap_servers",
+                )
+            kafka = KafkaSettings(bootstrap_servers=self.kafka_bootstrap_servers)
+        elif self.kafka_bootstrap_servers and self.kafka_bootstrap_servers.replace(
+            " ", ""
+        ) != kafka.bootstrap_servers.replace(" ", ""):
+            raise ConfigurationError(
+                "kafka_bootstrap_servers and kafka.bootstrap_servers differ: give one",
+                setting="kafka_bootstrap_servers",
+            )
+        object.__setattr__(self, "_kafka", kafka)
+        if self.redis_ssl_cafile is not None:
+            if self.redis_url is None or not self.redis_url.startswith("rediss://"):
+                raise ConfigurationError(
+                    "redis_ssl_cafile needs a rediss:// redis_url (TLS)", setting="redis_ssl_cafile"
+                )
+            if not Path(self.redis_ssl_cafile).is_file():
+                raise ConfigurationError(
+                    f"redis_ssl_cafile is not a readable file: {self.redis_ssl_cafile}",
+                    setting="redis_ssl_cafile",
+                )
         if isinstance(self.topics, str):
             raise ConfigurationError("topics must be a list of topic names, not a string")
         object.__setattr__(self, "topics", tuple(self.topics))
@@ -207,6 +254,12 @@ class ConsumerConfig:
         if both:
             names = ", ".join(sorted(t.__qualname__ for t in both))
             raise ConfigurationError(f"{names} cannot be in both retry_on and dead_letter_on")
+
+    @property
+    def kafka_settings(self) -> KafkaSettings:
+        """The Kafka settings every Kafka client of the consumer uses: ``kafka``, or
+        PLAINTEXT to ``kafka_bootstrap_servers``."""
+        return self._kafka
 
     @property
     def backoff(self) -> Backoff:

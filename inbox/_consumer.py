@@ -75,7 +75,7 @@ class InboxConsumer:
     lock : AggregateLock | None
         Per-aggregate lock; default: on ``config.redis_url`` when ``lock_aggregates``.
     dead_letters : DeadLetterPublisher | None
-        Default: Kafka on ``config.kafka_bootstrap_servers``.
+        Default: Kafka with ``config.kafka_settings`` (the consumer's cluster and login).
     engine, async_engine : Engine | None, AsyncEngine | None
         Database engines; default: built from ``config.database_url``. The consumer's own
         engines discard a connection whose statement failed for a fault of the environment
@@ -110,7 +110,9 @@ class InboxConsumer:
         client = None
         wants_lock = config.lock_aggregates and lock is None
         if config.redis_url is not None and (dedup is None or wants_lock):
-            client = redis_client(config.redis_url, timeout_s=config.redis_timeout_s)
+            client = redis_client(
+                config.redis_url, timeout_s=config.redis_timeout_s, ca_file=config.redis_ssl_cafile
+            )
         self._redis_client = client
         if dedup is None and client is not None:
             dedup = RedisDedupStore(client, config.redis_key_prefix)
@@ -118,7 +120,7 @@ class InboxConsumer:
             lock = RedisAggregateLock(client, config.redis_key_prefix)
         self.dedup = dedup
         self.lock = lock
-        self.dead_letters = dead_letters or KafkaDeadLetterPublisher(config.kafka_bootstrap_servers)
+        self.dead_letters = dead_letters or KafkaDeadLetterPublisher(config.kafka_settings)
         self.gate = RedisGate(config.group_id, config.redis_probe_interval_s)
         self._health = ConsumerHealth(config.group_id, self.gate)
         self.hooks = hooks or ConsumerHooks()

@@ -11,6 +11,7 @@ from typing import Protocol, runtime_checkable
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from ledgerbox._core.kafka import KafkaSettings
 from ledgerbox.inbox._errors import DeadLetterError
 
 __all__ = [
@@ -91,14 +92,18 @@ class KafkaDeadLetterPublisher:
 
     Parameters
     ----------
-    bootstrap_servers : str
-        ``host:port[,host:port]``.
+    kafka : KafkaSettings | str
+        The consumer's Kafka settings (same cluster, same login), or ``host:port[,...]``
+        for PLAINTEXT.
     request_timeout_ms : int
         How long one send may take before it counts as failed, in ms.
     """
 
-    def __init__(self, bootstrap_servers: str, *, request_timeout_ms: int = 30000) -> None:
-        self.bootstrap_servers = bootstrap_servers
+    def __init__(self, kafka: KafkaSettings | str, *, request_timeout_ms: int = 30000) -> None:
+        if isinstance(kafka, str):
+            kafka = KafkaSettings(bootstrap_servers=kafka)
+        self.kafka = kafka
+        self.bootstrap_servers = kafka.bootstrap_servers
         self.request_timeout_ms = request_timeout_ms
         self._producer: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
@@ -107,7 +112,7 @@ class KafkaDeadLetterPublisher:
         async with self._lock:
             if self._producer is None:
                 producer = AIOKafkaProducer(
-                    bootstrap_servers=self.bootstrap_servers,
+                    **self.kafka.client_kwargs(),
                     acks="all",
                     enable_idempotence=True,
                     request_timeout_ms=self.request_timeout_ms,

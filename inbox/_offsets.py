@@ -40,12 +40,9 @@ async def redelivery_bounds(config: ConsumerConfig) -> dict[tuple[str, int], int
     ledgerbox.BrokerError
         If Kafka did not answer or refused the requests.
     """
-    probe = AIOKafkaConsumer(
-        bootstrap_servers=config.kafka_bootstrap_servers,
-        group_id=config.group_id,
-        enable_auto_commit=False,
-    )
-    admin = AIOKafkaAdminClient(bootstrap_servers=config.kafka_bootstrap_servers)
+    kafka = config.kafka_settings.client_kwargs()
+    probe = AIOKafkaConsumer(**kafka, group_id=config.group_id, enable_auto_commit=False)
+    admin = AIOKafkaAdminClient(**kafka)
     try:
         await probe.start()
         if config.assignment:

@@ -90,17 +90,27 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-def redis_client(url: str, *, timeout_s: float = 0.5) -> Redis:
+def redis_client(url: str, *, timeout_s: float = 0.5, ca_file: str | None = None) -> Redis:
     """A ``redis.asyncio`` client whose calls fail fast instead of stalling the consumer.
 
     Parameters
     ----------
     url : str
-        ``redis://host:port/db``.
+        ``redis://host:port/db``; ``redis://user:password@host:port/db`` logs in (ACL user,
+        or ``:password@`` for ``requirepass``); ``rediss://`` is TLS, the server's
+        certificate and name verified (redis-py's defaults for ``rediss``).
     timeout_s : float
         Socket and connect timeout in seconds. Client-side retries are off: the consumer
         decides what to do when Redis is down (skip it and probe later).
+    ca_file : str | None
+        PEM file of the CA of the server's certificate (``rediss`` only; ``None``: the
+        system's CAs).
     """
+    tls: dict[str, Any] = {}
+    if url.startswith("rediss://"):
+        tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
+        if ca_file is not None:
+            tls["ssl_ca_certs"] = ca_file
     return Redis.from_url(
         url,
         socket_timeout=timeout_s,
@@ -108,6 +118,7 @@ def redis_client(url: str, *, timeout_s: float = 0.5) -> Redis:
         retry=Retry(NoBackoff(), 0),
         retry_on_timeout=False,
         health_check_interval=0,
+        **tls,
     )
 
 

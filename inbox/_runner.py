@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
-from ledgerbox.inbox._checks import kafka_start_fault
+from ledgerbox.inbox._checks import kafka_start_verdict
 from ledgerbox.inbox._deps import PipelineDeps
 from ledgerbox.inbox._errors import StartupError
 from ledgerbox.inbox._policy import Outcome
@@ -110,7 +110,7 @@ class KafkaRunner:
     def _client(self) -> AIOKafkaConsumer:
         config = self.config
         kafka = AIOKafkaConsumer(
-            bootstrap_servers=config.kafka_bootstrap_servers,
+            **config.kafka_settings.client_kwargs(),
             group_id=config.group_id,
             client_id=config.client_id or f"ledgerbox-inbox-{config.group_id}",
             enable_auto_commit=False,
@@ -136,7 +136,8 @@ class KafkaRunner:
                 except (KafkaError, OSError) as exc:
                     with contextlib.suppress(Exception):
                         await kafka.stop()
-                    verdict = kafka_start_fault(exc, self.config.kafka_bootstrap_servers)
+                    # aiokafka's "Unable to bootstrap" hides the cause: one login by hand.
+                    verdict = await kafka_start_verdict(exc, self.config.kafka_settings)
                     if verdict.permanent:
                         raise StartupError(verdict.cause) from None
                     health.fault("kafka", verdict.cause or "kafka client did not start")

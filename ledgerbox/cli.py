@@ -53,6 +53,7 @@ class _LazyGroup(TyperGroup):
 
 app = typer.Typer(
     cls=_LazyGroup,
+    pretty_exceptions_show_locals=False,  # a traceback must not print local values (secrets)
     help="ledgerbox: transactional outbox relay, inbox consumers and their operations.",
     no_args_is_help=True,
 )

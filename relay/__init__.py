@@ -7,6 +7,13 @@ Example
 >>> relay = Relay(config)
 >>> await relay.run()            # doctest: +SKIP  (until relay.stop())
 
+A secured cluster (TLS, SASL; docs/security.md)::
+
+    kafka = KafkaSettings(bootstrap_servers="b-1.example:9096", security_protocol="SASL_SSL",
+                          sasl_mechanism="SCRAM-SHA-512", sasl_username="relay",
+                          sasl_password=Secret.from_file("/run/secrets/kafka"))
+    config = RelayConfig(database_url="postgresql://...?sslmode=verify-full", kafka=kafka)
+
 Run it as a daemon with ``ledgerbox relay run`` (``relay/_cli.py``; every setting in
 ``docs/configuration.md``). The read design is documented in ``relay._relay`` and
 ``docs/relay.md``.
@@ -21,6 +28,8 @@ from typing import TYPE_CHECKING
 from ledgerbox._core.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from ledgerbox._core.kafka import KafkaSettings
+    from ledgerbox._core.redaction import Secret
     from ledgerbox.relay._config import RelayConfig
     from ledgerbox.relay._errors import PublishError, RelayError, StoreError
     from ledgerbox.relay._hooks import RelayHooks
@@ -30,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KafkaPublisher",
+    "KafkaSettings",
     "OutboundRecord",
     "PublishError",
     "Publisher",
@@ -38,6 +48,7 @@ __all__ = [
     "RelayError",
     "RelayHooks",
     "RelayTables",
+    "Secret",
     "StoreError",
 ]
 
@@ -48,6 +59,7 @@ if not TYPE_CHECKING:  # type checkers see the imports above, so typos stay erro
         globals(),
         {
             "KafkaPublisher": "ledgerbox.relay._publisher",
+            "KafkaSettings": "ledgerbox._core.kafka",
             "OutboundRecord": "ledgerbox.relay._publisher",
             "PublishError": "ledgerbox.relay._errors",
             "Publisher": "ledgerbox.relay._publisher",
@@ -56,6 +68,7 @@ if not TYPE_CHECKING:  # type checkers see the imports above, so typos stay erro
             "RelayError": "ledgerbox.relay._errors",
             "RelayHooks": "ledgerbox.relay._hooks",
             "RelayTables": "ledgerbox.relay._table",
+            "Secret": "ledgerbox._core.redaction",
             "StoreError": "ledgerbox.relay._errors",
         },
     )

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from ledgerbox._core.faults import Fault
+from ledgerbox._core.faults import Fault, login_refused
+from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka
 from ledgerbox._core.names import SCHEMA_REVISION, SCHEMA_REVISIONS
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import PublishError, StoreError
@@ -22,15 +23,7 @@ from ledgerbox.relay._store import RelayStore, SchemaReport
 __all__ = ["CheckResult", "Problem", "check_relay"]
 
 #: Kafka error kinds that mean "the login was refused" (permanent: wrong credentials).
-_KAFKA_LOGIN = frozenset(
-    {
-        "SaslAuthenticationFailed",
-        "AuthenticationFailedError",
-        "AuthenticationMethodNotSupported",
-        "UnsupportedSaslMechanismError",
-        "IllegalSaslStateError",
-    }
-)
+_KAFKA_LOGIN = LOGIN_REFUSED
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +60,9 @@ async def check_relay(
     config: RelayConfig, store: RelayStore, kafka: KafkaPublisher, *, timeout_s: float = 15.0
 ) -> CheckResult:
     """Check the database (reachable, tables and columns at the expected schema revision,
-    grants, not read-only), Kafka (reachable) and the topics of waiting events (exist, or the
-    brokers create topics).
+    grants, not read-only), Kafka (reachable, the TLS and SASL settings accepted: one login
+    by hand, :func:`ledgerbox._core.kafka_probe.probe_kafka`) and the topics of waiting
+    events (exist, or the brokers create topics).
 
     Parameters
     ----------
@@ -94,6 +88,24 @@ async def check_relay(
         pending_topics = report.pending_topics
         if not found:
             healthy.append(f"database ok (schema {report.revision or 'embedded'})")
+    if any(p.permanent for p in problems):
+        # The relay will not start (run exits with this line alone): Kafka is not asked.
+        return CheckResult(problems, healthy)
+    servers = config.kafka_settings.bootstrap_servers
+    login = await probe_kafka(config.kafka_settings, timeout_s=timeout_s)
+    if login is not None:
+        if login.kind == "Unreachable":
+            problems.append(
+                Problem(
+                    False,
+                    f"Kafka is unreachable at {servers} (no bootstrap server accepts "
+                    "connections): start it, or fix --kafka-bootstrap-servers / "
+                    "KAFKA_BOOTSTRAP_SERVERS",
+                )
+            )
+        else:
+            problems.append(Problem(login.permanent, login.cause))
+        return CheckResult(problems, healthy)
     try:
         async with asyncio.timeout(timeout_s):
             brokers, topics, auto_create = await kafka.cluster(pending_topics)
@@ -103,7 +115,7 @@ async def check_relay(
         problems.append(
             Problem(
                 False,
-                f"Kafka at {config.kafka_bootstrap_servers} did not answer within "
+                f"Kafka at {servers} did not answer within "
                 f"{timeout_s:g} s: start it, or fix --kafka-bootstrap-servers",
             )
         )
@@ -123,7 +135,7 @@ async def check_relay(
 
 def _database_problem(exc: StoreError) -> Problem:
     state = exc.sqlstate or ""
-    if state.startswith("28"):
+    if login_refused(exc):
         return Problem(
             True, f"the database refused the login ({exc}): fix the user or password of the "
             "database URL"
@@ -194,6 +206,6 @@ def _kafka_problem(config: RelayConfig, exc: PublishError) -> Problem:
         return Problem(False, f"Kafka refused access ({exc}): grant the relay's principal")
     return Problem(
         False,
-        f"Kafka is unreachable at {config.kafka_bootstrap_servers} ({exc}): start it, or fix "
-        "--kafka-bootstrap-servers / KAFKA_BOOTSTRAP_SERVERS",
+        f"Kafka is unreachable at {config.kafka_settings.bootstrap_servers} ({exc}): start it, "
+        "or fix --kafka-bootstrap-servers / KAFKA_BOOTSTRAP_SERVERS",
     )

@@ -3,7 +3,12 @@
 Every :class:`RelayConfig` field is a setting (derived from the dataclass, so none can be
 missed): flag ``--field-name``, variable ``LEDGERBOX_RELAY_FIELD_NAME``; the URLs also read
 ``DATABASE_URL`` and ``KAFKA_BOOTSTRAP_SERVERS`` (the prefixed one wins); a flag wins over the
-environment. ``--metrics-port`` and ``--log-level`` follow the same scheme. Renamed: the
+environment. The Kafka security settings (``--kafka-security-protocol``, ``--kafka-sasl-*``,
+``--kafka-ssl-*``, with their ``KAFKA_*`` variables and ``_file`` forms: docs/security.md)
+build the one :class:`~ledgerbox.relay.KafkaSettings` of every Kafka client of the command.
+``--metrics-port``, ``--metrics-host`` (default ``127.0.0.1``) and ``--log-level`` follow the
+same scheme. Nothing printed carries a secret: the refusals and ``check`` lines are built
+without them and scrubbed (:func:`ledgerbox._core.redaction.scrub`). Renamed: the
 schema variable was ``LEDGERBOX_RELAY_DB_SCHEMA``, ``on_dead_letter`` was ``on_dead``
 (``LEDGERBOX_RELAY_ON_DEAD``, ``--on-dead``); the old names work for one release, with a
 warning. The mechanism: :mod:`ledgerbox._core.settings`; the table: docs/configuration.md.
@@ -18,7 +23,10 @@ from collections.abc import Sequence
 
 import typer
 
+from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, LedgerboxError
+from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
+from ledgerbox._core.redaction import install_scrub_filter, scrub
 from ledgerbox._core.settings import (
     CommandSettings,
     Setting,
@@ -35,7 +43,12 @@ from ledgerbox.relay._relay import Relay
 
 __all__ = ["RELAY_SETTINGS", "app", "main"]
 
-app = typer.Typer(help="ledgerbox relay: publish committed outbox events to Kafka.")
+# pretty_exceptions_show_locals=False: an unexpected traceback must not print the values
+# (URLs, passwords) of the local variables (typer before 0.12.4 showed them by default).
+app = typer.Typer(
+    help="ledgerbox relay: publish committed outbox events to Kafka.",
+    pretty_exceptions_show_locals=False,
+)
 
 #: Every setting of ``ledgerbox relay`` (the fields of RelayConfig, then the daemon's own).
 RELAY_SETTINGS = CommandSettings(
@@ -48,40 +61,60 @@ RELAY_SETTINGS = CommandSettings(
             kafka_bootstrap_servers={
                 "well_known": ("KAFKA_BOOTSTRAP_SERVERS",),
                 "label": "Kafka bootstrap servers",
+                "required": True,
+                "default": None,
             },
             schema={"old_env": ("LEDGERBOX_RELAY_DB_SCHEMA",)},
             on_dead_letter={"old_env": ("LEDGERBOX_RELAY_ON_DEAD",), "old_flags": ("--on-dead",)},
         ),
+        *cli_settings(),
         Setting(
             "metrics_port", int, default=0, help="Serve Prometheus metrics on this port (0: off)"
+        ),
+        Setting(
+            "metrics_host",
+            str,
+            default=DEFAULT_HOST,
+            help="Address the metrics endpoint binds to (another one exposes it beyond this "
+            "machine)",
         ),
         Setting("log_level", str, default="INFO", help="Logging level (DEBUG, INFO, WARNING)"),
     ],
 )
 
 _CONFIG_FIELDS = tuple(s.name for s in settings_from_dataclass(RelayConfig))
-_CONNECTION = ("database_url", "kafka_bootstrap_servers", "outbox_table", "schema")
+_CONNECTION = ("database_url", "kafka_bootstrap_servers", *KAFKA_SETTING_NAMES)
+_TABLES = ("outbox_table", "schema")
+_DAEMON = ("metrics_port", "metrics_host", "log_level")
 
 
 def _config(values: Values) -> RelayConfig:
-    """The validated config (unset fields: the settings' defaults); exit 2 with one line."""
+    """The validated config (unset fields: the settings' defaults; the Kafka settings from
+    the ``kafka_*`` ones); exit 2 with one line."""
     merged = {**RELAY_SETTINGS.defaults(), **{k: v for k, v in values.items() if v is not None}}
     given = {k: v for k, v in merged.items() if k in _CONFIG_FIELDS and v is not None}
     try:
-        return RelayConfig(**given)
+        kafka = None
+        if given.get("kafka_bootstrap_servers"):
+            kafka = KafkaSettings.from_values(
+                merged, bootstrap_servers=given["kafka_bootstrap_servers"]
+            )
+        return RelayConfig(**given, kafka=kafka)
     except ConfigurationError as exc:
         RELAY_SETTINGS.fail(exc, merged)
 
 
-@RELAY_SETTINGS.typer_command(app, "run", [*_CONFIG_FIELDS, "metrics_port", "log_level"])
+@RELAY_SETTINGS.typer_command(app, "run", [*_CONFIG_FIELDS, *KAFKA_SETTING_NAMES, *_DAEMON])
 def run(values: Values, ctx: typer.Context) -> None:
     """Run the relay until SIGTERM or SIGINT; exit 0 after a clean shutdown."""
     configure_logging(RELAY_SETTINGS, values["log_level"])
+    install_scrub_filter()
     config = _config(values)
     if values["metrics_port"]:
-        from prometheus_client import start_http_server
-
-        start_http_server(values["metrics_port"])
+        try:
+            serve_metrics(values["metrics_port"], values["metrics_host"])
+        except ConfigurationError as exc:
+            RELAY_SETTINGS.fail(exc, values)
     asyncio.run(_run(config, ctx.find_object(RelayHooks)))
 
 
@@ -90,7 +123,7 @@ async def _run(config: RelayConfig, hooks: RelayHooks | None) -> None:
     result = await _check(config)
     permanent = [p for p in result.problems if p.permanent]
     if permanent:
-        typer.echo(f"ledgerbox relay: {permanent[0].line}", err=True)
+        typer.echo(scrub(f"ledgerbox relay: {permanent[0].line}"), err=True)
         raise typer.Exit(2)
     for problem in result.problems:
         # Not fatal: the relay starts, stays down with the cause and recovers once fixed.
@@ -103,13 +136,13 @@ async def _run(config: RelayConfig, hooks: RelayHooks | None) -> None:
         "relay %s starting: database %s, kafka %s",
         config.member_id,
         config.database_label,
-        config.kafka_bootstrap_servers,
+        config.kafka_settings.describe(),
     )
     await relay.run()
     log.info("relay %s stopped", config.member_id)
 
 
-@RELAY_SETTINGS.typer_command(app, "check", _CONNECTION)
+@RELAY_SETTINGS.typer_command(app, "check", [*_CONNECTION, *_TABLES])
 def check(values: Values, ctx: typer.Context) -> None:
     """Health: database, tables at the expected schema revision, grants, Kafka, topics.
 
@@ -118,16 +151,16 @@ def check(values: Values, ctx: typer.Context) -> None:
     """
     result = asyncio.run(_check(_config(values)))
     if result.ok:
-        typer.echo(f"relay ok: {', '.join(result.healthy)}")
+        typer.echo(scrub(f"relay ok: {', '.join(result.healthy)}"))
         raise typer.Exit(0)
     for problem in result.problems:
-        typer.echo(f"relay down: {problem.line}")
+        typer.echo(scrub(f"relay down: {problem.line}"))
     raise typer.Exit(2)
 
 
 async def _check(config: RelayConfig) -> CheckResult:
     store = pg_store_factory(config)("check")
-    publisher = KafkaPublisher(config.kafka_bootstrap_servers, compression="none")
+    publisher = KafkaPublisher(config.kafka_settings, compression="none")
     try:
         return await check_relay(config, store, publisher)
     finally:
@@ -166,8 +199,8 @@ def status(values: Values, ctx: typer.Context) -> None:
     try:
         asyncio.run(read())
     except LedgerboxError as exc:
-        typer.echo(f"status failed: {exc}", err=True)
-        raise typer.Exit(1) from exc
+        typer.echo(scrub(f"status failed: {exc}"), err=True)
+        raise typer.Exit(1) from None
 
 
 def _ranges(values: list[int]) -> str:

@@ -10,7 +10,9 @@ from typing import Literal
 
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import sql_identifier
+from ledgerbox._core.kafka import KafkaSettings
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
+from ledgerbox._core.redaction import remember_url
 
 __all__ = ["Compression", "OnDeadLetter", "RelayConfig"]
 
@@ -29,8 +31,14 @@ class RelayConfig:
     ----------
     database_url : str
         SQLAlchemy form (``postgresql+psycopg://...``) or plain libpq form (``postgresql://``).
+        TLS settings go in its query and reach libpq as they are (``?sslmode=verify-full&
+        sslrootcert=/etc/ssl/db-ca.pem``; docs/security.md). Its password is never logged.
     kafka_bootstrap_servers : str
-        ``host:port[,host:port]``.
+        ``host:port[,host:port]``. Alone it means PLAINTEXT; ``kafka`` adds TLS and a login.
+    kafka : KafkaSettings | None
+        Where Kafka is and how to log in (TLS, SASL; docs/security.md); ``None``:
+        ``kafka_bootstrap_servers`` in PLAINTEXT. Give one of the two (both only if their
+        servers agree). The command line sets it with the ``--kafka-*`` flags.
     outbox_table : str
         The outbox table (default ``outbox``); a SQL identifier.
     schema : str | None
@@ -90,8 +98,10 @@ class RelayConfig:
         the field.
     """
 
-    database_url: str
-    kafka_bootstrap_servers: str
+    # repr=False: a config in a log line or a traceback must not show the URL's password.
+    database_url: str = field(repr=False)
+    kafka_bootstrap_servers: str = ""
+    kafka: KafkaSettings | None = field(default=None, metadata={"setting": False})
     outbox_table: str = "outbox"
     schema: str | None = None
     batch_size: int = 1000
@@ -112,10 +122,28 @@ class RelayConfig:
     cleanup_pause_s: float = 0.05
     backoff_max_s: float = 10.0
     _resolved_id: str = field(init=False, repr=False, compare=False, default="")
+    _kafka: KafkaSettings | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         _check(bool(self.database_url), "database_url", "must not be empty")
-        _check(bool(self.kafka_bootstrap_servers), "kafka_bootstrap_servers", "must not be empty")
+        remember_url(self.database_url)
+        kafka = self.kafka
+        if kafka is None:
+            _check(
+                bool(self.kafka_bootstrap_servers), "kafka_bootstrap_servers", "must not be empty"
+            )
+            try:
+                kafka = KafkaSettings(bootstrap_servers=self.kafka_bootstrap_servers)
+            except ConfigurationError as exc:
+                raise ConfigurationError(str(exc), setting="kafka_bootstrap_servers") from None
+        elif self.kafka_bootstrap_servers and self.kafka_bootstrap_servers.replace(
+            " ", ""
+        ) != kafka.bootstrap_servers.replace(" ", ""):
+            raise ConfigurationError(
+                "kafka_bootstrap_servers and kafka.bootstrap_servers differ: give one",
+                setting="kafka_bootstrap_servers",
+            )
+        object.__setattr__(self, "_kafka", kafka)
         _identifier(self.outbox_table, "outbox_table", "outbox table name")
         if self.schema is not None:
             _identifier(self.schema, "schema", "schema")
@@ -148,6 +176,13 @@ class RelayConfig:
     def member_id(self) -> str:
         """``relay_id``, or the generated ``host-pid-random`` name when it was ``None``."""
         return self._resolved_id
+
+    @property
+    def kafka_settings(self) -> KafkaSettings:
+        """The Kafka settings every client of the relay uses: ``kafka``, or PLAINTEXT to
+        ``kafka_bootstrap_servers``."""
+        assert self._kafka is not None
+        return self._kafka
 
     @property
     def database_label(self) -> str:

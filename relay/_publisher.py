@@ -22,6 +22,8 @@ from aiokafka.partitioner import murmur2
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from ledgerbox._core.faults import Fault
+from ledgerbox._core.kafka import KafkaSettings
+from ledgerbox._core.kafka_probe import probe_kafka
 from ledgerbox.relay._errors import PublishError
 from ledgerbox.relay._policy import failure_reason
 
@@ -147,9 +149,17 @@ class KafkaPublisher:
     ``send_batch`` (measured 2.4x faster than one ``send`` per record); the partition is the
     default partitioner's (murmur2 of the key, as ``send`` and the Java client choose it).
 
+    Every Kafka client here (the producer, the admin client of :meth:`cluster`) is built
+    from the same :class:`~ledgerbox.relay.KafkaSettings`. Before the producer starts, one
+    connection logs in by hand (:mod:`ledgerbox._core.kafka_probe`): a refused password, a
+    TLS mismatch or an untrusted certificate fails :meth:`start` with a
+    :class:`PublishError` whose message names it and the fix (``kind`` e.g.
+    ``"SaslAuthenticationFailed"``), not aiokafka's "Unable to bootstrap".
+
     Parameters
     ----------
-    bootstrap_servers : str
+    kafka : KafkaSettings | str
+        The connection settings, or ``host:port[,host:port]`` for PLAINTEXT.
     compression : str
         ``"lz4"``, ``"zstd"``, ``"gzip"``, ``"snappy"`` or ``"none"``.
     linger_ms : int
@@ -160,15 +170,17 @@ class KafkaPublisher:
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        kafka: KafkaSettings | str,
         *,
         compression: str = "lz4",
         linger_ms: int = 0,
         max_batch_bytes: int = 262_144,
         request_timeout_ms: int = 30_000,
     ) -> None:
+        if isinstance(kafka, str):
+            kafka = KafkaSettings(bootstrap_servers=kafka)
+        self.kafka = kafka
         self._kwargs: dict[str, Any] = {
-            "bootstrap_servers": bootstrap_servers,
             "acks": "all",
             "enable_idempotence": True,
             "compression_type": None if compression == "none" else compression,
@@ -180,7 +192,11 @@ class KafkaPublisher:
         self._producer: AIOKafkaProducer | None = None
 
     async def start(self) -> None:
-        producer = AIOKafkaProducer(**self._kwargs)
+        timeout_s = self._kwargs["request_timeout_ms"] / 1000
+        problem = await probe_kafka(self.kafka, timeout_s=min(timeout_s, 10.0))
+        if problem is not None:
+            raise PublishError(problem.cause, fault=Fault.ENVIRONMENT, kind=problem.kind)
+        producer = AIOKafkaProducer(**self.kafka.client_kwargs(), **self._kwargs)
         try:
             await producer.start()
         except BaseException as exc:
@@ -324,7 +340,7 @@ class KafkaPublisher:
             auto_create = False
             if brokers and set(topics) - existing:
                 admin = AIOKafkaAdminClient(
-                    bootstrap_servers=self._kwargs["bootstrap_servers"],
+                    **self.kafka.client_kwargs(),
                     request_timeout_ms=self._kwargs["request_timeout_ms"],
                 )
                 await admin.start()

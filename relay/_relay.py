@@ -117,7 +117,7 @@ class Relay:
         self._producer = SharedProducer(
             publisher
             or KafkaPublisher(
-                config.kafka_bootstrap_servers,
+                config.kafka_settings,
                 compression=config.compression,
                 linger_ms=config.linger_ms,
                 max_batch_bytes=config.producer_batch_bytes,

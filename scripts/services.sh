@@ -35,6 +35,19 @@
 #                        brokers' listener advertised at fault-proxy ports) and
 #                        OUTBOX_KAFKA_PROXY_LINKS (name=listen:target for that proxy)
 #   OUTBOX_KAFKA_CLUSTER_PORT  first of the 12 ports the cluster uses (default 9400)
+#   OUTBOX_SECURITY=1    also start the secured endpoints (docs/security.md, "Local secured
+#                        services"): certificates made once with openssl into <state>/security
+#                        (a CA, a broker/server certificate for 127.0.0.1 and localhost, a client
+#                        certificate with an encrypted key); on the Kafka broker a SASL_SSL
+#                        listener (SCRAM-SHA-512 user 'ledgerbox', OAUTHBEARER with unsecured
+#                        JWTs) and an SSL listener that requires a client certificate (mTLS), the
+#                        PLAINTEXT one staying; a second Redis with requirepass, an ACL user
+#                        'ledgerbox' and a TLS port; PostgreSQL with ssl=on. `env` then also
+#                        prints OUTBOX_SEC_* (listeners, ports, the directory holding the CA,
+#                        client certificate and the password files; never a password itself).
+#   OUTBOX_KAFKA_SASL_SSL_PORT, OUTBOX_KAFKA_MTLS_PORT, OUTBOX_REDIS_AUTH_PORT,
+#   OUTBOX_REDIS_TLS_PORT  ports of the secured endpoints (defaults: Kafka port + 2 and + 3,
+#                        Redis port + 1 and + 2)
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -442,6 +455,7 @@ start_kafka() {
       die "port $KAFKA_PORT or $KAFKA_CONTROLLER_PORT is in use by something other than our broker ($KAFKA_PROPS)"
     fi
     kafka_write_config
+    kafka_security_config
     if [ ! -f "$KAFKA_DIR/data/meta.properties" ]; then
       log "formatting Kafka storage (cluster id $KAFKA_CLUSTER_ID)"
       kafka_tool kafka.tools.StorageTool format --standalone --ignore-formatted \
@@ -814,6 +828,242 @@ cmd_broker() {  # cmd_broker ACTION N
   esac
 }
 
+# ---------------------------------------------------------------- security (opt-in: OUTBOX_SECURITY=1)
+# Everything secured lives in its own functions and files, next to the plain services: the
+# PLAINTEXT Kafka listener, the first Redis and PostgreSQL's password login stay as they are.
+SECURITY="${OUTBOX_SECURITY:-0}"
+SEC_DIR="$STATE/security"
+KAFKA_SASL_SSL_PORT="${OUTBOX_KAFKA_SASL_SSL_PORT:-$((KAFKA_PORT + 2))}"
+KAFKA_MTLS_PORT="${OUTBOX_KAFKA_MTLS_PORT:-$((KAFKA_PORT + 3))}"
+REDIS_AUTH_PORT="${OUTBOX_REDIS_AUTH_PORT:-$((REDIS_PORT + 1))}"
+REDIS_TLS_PORT="${OUTBOX_REDIS_TLS_PORT:-$((REDIS_PORT + 2))}"
+REDIS_SEC_DIR="$STATE/redis-secure"
+SEC_USER=ledgerbox
+
+security_on() { [ "$SECURITY" = "1" ]; }
+
+# A CA, a server certificate (127.0.0.1, localhost) and a client certificate whose key is
+# encrypted; random passwords in files (mode 600). Made once per state directory.
+sec_make_certs() {
+  [ -f "$SEC_DIR/.complete" ] && return 0
+  command -v openssl >/dev/null 2>&1 || apt_install openssl
+  log "making a local CA, server and client certificates in $SEC_DIR (openssl)"
+  rm -rf "$SEC_DIR"
+  mkdir -p "$SEC_DIR"
+  chmod 700 "$SEC_DIR"
+  ( set -e
+    cd "$SEC_DIR"
+    umask 077
+    openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 3650 \
+      -subj "/CN=ledgerbox local test CA" \
+      -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
+    openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj "/CN=localhost"
+    printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n' >server.ext
+    openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 3650 \
+      -extfile server.ext -out server.pem
+    cat server.key server.pem >kafka-keystore.pem
+    openssl rand -hex 16 | sed 's/^/keypw-/' >client-key-password
+    openssl req -newkey rsa:2048 -nodes -keyout client-plain.key -out client.csr \
+      -subj "/CN=ledgerbox-client"
+    printf 'extendedKeyUsage=clientAuth\n' >client.ext
+    openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 3650 \
+      -extfile client.ext -out client.pem
+    openssl pkcs8 -topk8 -v2 aes-256-cbc -in client-plain.key -out client.key \
+      -passout file:client-key-password
+    openssl rand -hex 16 | sed 's/^/sasl-/' >kafka-sasl-password
+    openssl rand -hex 16 | sed 's/^/redis-/' >redis-password
+    rm -f client-plain.key ./*.csr ./*.ext ./*.srl
+    chmod 644 ca.pem server.pem client.pem
+  ) >"$STATE/security-certs.log" 2>&1 || { show_log "$STATE/security-certs.log"; die "openssl failed"; }
+  touch "$SEC_DIR/.complete"
+}
+
+# Kafka: a SASL_SSL listener (SCRAM-SHA-512, and OAUTHBEARER with Kafka's unsecured JWT
+# validator, for tests only) and an SSL listener that requires a client certificate.
+# Appended to the config kafka_write_config wrote.
+kafka_security_config() {
+  security_on || return 0
+  [ "${OUTBOX_KAFKA_NODES:-1}" = "1" ] || die "OUTBOX_SECURITY=1 works with the single broker only"
+  sec_make_certs
+  sed -i \
+    -e "s|^listeners=.*|&,SASL_SSL://$HOST:$KAFKA_SASL_SSL_PORT,SSL://$HOST:$KAFKA_MTLS_PORT|" \
+    -e "s|^advertised.listeners=.*|&,SASL_SSL://$HOST:$KAFKA_SASL_SSL_PORT,SSL://$HOST:$KAFKA_MTLS_PORT|" \
+    -e "s|^listener.security.protocol.map=.*|&,SASL_SSL:SASL_SSL,SSL:SSL|" \
+    "$KAFKA_PROPS"
+  cat >>"$KAFKA_PROPS" <<EOF
+# OUTBOX_SECURITY=1 (scripts/services.sh kafka_security_config)
+ssl.keystore.type=PEM
+ssl.keystore.location=$SEC_DIR/kafka-keystore.pem
+ssl.truststore.type=PEM
+ssl.truststore.location=$SEC_DIR/ca.pem
+listener.name.ssl.ssl.client.auth=required
+listener.name.sasl_ssl.ssl.client.auth=none
+listener.name.sasl_ssl.sasl.enabled.mechanisms=SCRAM-SHA-512,OAUTHBEARER
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_ssl.oauthbearer.sasl.jaas.config=org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule required unsecuredLoginStringClaim_sub="broker";
+listener.name.sasl_ssl.oauthbearer.sasl.server.callback.handler.class=org.apache.kafka.common.security.oauthbearer.internals.unsecured.OAuthBearerUnsecuredValidatorCallbackHandler
+EOF
+}
+
+# The SCRAM user, through the PLAINTEXT listener (AlterUserScramCredentials, KIP-554). The
+# tool takes the password on its command line only (its --add-config-file mangles the
+# mechanism name): a local, random test password, visible in ps for a second.
+kafka_security_user() {
+  security_on || return 0
+  [ -f "$KAFKA_DIR/data/.scram-$SEC_USER" ] && return 0
+  kafka_tool kafka.admin.ConfigCommand --bootstrap-server "$HOST:$KAFKA_PORT" \
+    --command-config "$KAFKA_DIR/admin.properties" --alter --entity-type users \
+    --entity-name "$SEC_USER" \
+    --add-config "SCRAM-SHA-512=[iterations=4096,password=$(cat "$SEC_DIR/kafka-sasl-password")]" \
+    >"$KAFKA_DIR/logs/scram.log" 2>&1 \
+    || die "could not create the SCRAM user $SEC_USER (see $KAFKA_DIR/logs/scram.log)"
+  touch "$KAFKA_DIR/data/.scram-$SEC_USER"
+  log "Kafka SCRAM-SHA-512 user $SEC_USER created"
+}
+
+# A broker started before OUTBOX_SECURITY=1 has no secured listener: restart it.
+kafka_security_ensure() {
+  security_on || return 0
+  if kafka_running && ! port_open "$KAFKA_SASL_SSL_PORT"; then
+    log "Kafka runs without the secured listeners: restarting it with them"
+    stop_kafka
+    start_kafka
+  fi
+  kafka_security_user
+}
+
+redis_secure_running() {
+  [ -f "$SEC_DIR/redis-password" ] || return 1
+  [ "$(REDISCLI_AUTH="$(cat "$SEC_DIR/redis-password")" timeout 5 redis-cli -h "$HOST" -p "$REDIS_AUTH_PORT" --user "$SEC_USER" ping 2>/dev/null)" = "PONG" ]
+}
+
+# A second Redis: requirepass (the default user), the ACL user 'ledgerbox' with the same
+# password, a plain port and a TLS port (server certificate of the local CA).
+start_redis_secure() {
+  security_on || return 0
+  ensure_redis_installed
+  sec_make_certs
+  if redis_secure_running; then log "secured Redis already running on $HOST:$REDIS_AUTH_PORT (TLS $REDIS_TLS_PORT)"; return 0; fi
+  if port_open "$REDIS_AUTH_PORT" || port_open "$REDIS_TLS_PORT"; then
+    die "port $REDIS_AUTH_PORT or $REDIS_TLS_PORT is in use by something other than our secured Redis"
+  fi
+  mkdir -p "$REDIS_SEC_DIR"
+  chmod 700 "$REDIS_SEC_DIR"
+  local password
+  password="$(cat "$SEC_DIR/redis-password")"
+  (umask 077; cat >"$REDIS_SEC_DIR/redis.conf" <<EOF
+# written by scripts/services.sh (OUTBOX_SECURITY=1); do not edit
+bind $HOST
+port $REDIS_AUTH_PORT
+tls-port $REDIS_TLS_PORT
+tls-cert-file $SEC_DIR/server.pem
+tls-key-file $SEC_DIR/server.key
+tls-ca-cert-file $SEC_DIR/ca.pem
+tls-auth-clients no
+requirepass $password
+user $SEC_USER on >$password ~* &* +@all
+daemonize yes
+pidfile $REDIS_SEC_DIR/redis.pid
+dir $REDIS_SEC_DIR
+logfile $REDIS_SEC_DIR/redis.log
+save ""
+appendonly no
+EOF
+)
+  log "starting secured Redis on $HOST:$REDIS_AUTH_PORT (AUTH) and $HOST:$REDIS_TLS_PORT (TLS)"
+  (cd "$REDIS_SEC_DIR" && redis-server "$REDIS_SEC_DIR/redis.conf" >&2 3>&- 9>&-) \
+    || { show_log "$REDIS_SEC_DIR/redis.log"; die "secured redis-server failed to start"; }
+  local deadline=$((SECONDS + TIMEOUT))
+  until redis_secure_running; do
+    [ "$SECONDS" -lt "$deadline" ] || { show_log "$REDIS_SEC_DIR/redis.log"; die "secured Redis not answering after ${TIMEOUT}s"; }
+    sleep 0.1
+  done
+}
+
+stop_redis_secure() {
+  local pid=""
+  [ -f "$REDIS_SEC_DIR/redis.pid" ] && pid="$(cat "$REDIS_SEC_DIR/redis.pid" 2>/dev/null || true)"
+  pid_alive "$pid" || return 0
+  log "stopping secured Redis"
+  kill -TERM "$pid" 2>/dev/null || true
+  local deadline=$((SECONDS + 20))
+  while pid_alive "$pid"; do
+    [ "$SECONDS" -lt "$deadline" ] || { kill -9 "$pid" 2>/dev/null || true; break; }
+    sleep 0.1
+  done
+  rm -f "$REDIS_SEC_DIR/redis.pid"
+}
+
+pg_ssl_state() {
+  PGPASSWORD=postgres "$PG_BIN/psql" -h "$HOST" -p "$PG_PORT" -U postgres -d postgres -tAc 'SHOW ssl' 2>/dev/null || true
+}
+
+# PostgreSQL with TLS (ssl=on, the local CA's server certificate); password logins over
+# TCP as before, so sslmode=verify-full and sslmode=disable both work.
+pg_security_config() {
+  security_on || return 0
+  sec_make_certs
+  install -m 600 "$SEC_DIR/server.key" "$PG_DIR/tls-server.key"
+  install -m 644 "$SEC_DIR/server.pem" "$PG_DIR/tls-server.pem"
+  is_root && chown postgres: "$PG_DIR/tls-server.key" "$PG_DIR/tls-server.pem"
+  cat >"$PG_DATA/outbox-security.conf" <<EOF
+# written by scripts/services.sh (OUTBOX_SECURITY=1); do not edit
+ssl = on
+ssl_cert_file = '$PG_DIR/tls-server.pem'
+ssl_key_file = '$PG_DIR/tls-server.key'
+EOF
+  is_root && chown postgres: "$PG_DATA/outbox-security.conf"
+  grep -qF "include_if_exists = 'outbox-security.conf'" "$PG_DATA/postgresql.conf" \
+    || echo "include_if_exists = 'outbox-security.conf'" >>"$PG_DATA/postgresql.conf"
+  if [ "$(pg_ssl_state)" != "on" ]; then
+    log "reloading PostgreSQL with ssl=on"
+    as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" reload >/dev/null
+    local deadline=$((SECONDS + 30))
+    until [ "$(pg_ssl_state)" = "on" ]; do
+      [ "$SECONDS" -lt "$deadline" ] || { show_log "$PG_DIR/postgres.log"; die "PostgreSQL did not turn ssl on"; }
+      sleep 0.3
+    done
+  fi
+}
+
+security_up() {
+  security_on || return 0
+  sec_make_certs
+  [ -n "${DATABASE_URL:-}" ] || pg_security_config
+  start_redis_secure
+  [ -n "${KAFKA_BOOTSTRAP_SERVERS:-}" ] || kafka_security_ensure
+}
+
+security_status() {  # one line per secured endpoint (OUTBOX_SECURITY=1 only); rc 1 if one is down
+  security_on || return 0
+  local rc=0
+  if port_open "$KAFKA_SASL_SSL_PORT" && port_open "$KAFKA_MTLS_PORT"; then
+    echo "kafka tls: running (SASL_SSL $HOST:$KAFKA_SASL_SSL_PORT, mTLS $HOST:$KAFKA_MTLS_PORT)"
+  else echo "kafka tls: stopped"; rc=1; fi
+  if redis_secure_running; then echo "redis auth: running ($HOST:$REDIS_AUTH_PORT, TLS $HOST:$REDIS_TLS_PORT)"
+  else echo "redis auth: stopped"; rc=1; fi
+  return $rc
+}
+
+print_security_exports() {  # the secured endpoints that answer (no password: files hold them)
+  security_on || return 0
+  [ -f "$SEC_DIR/.complete" ] || { log "no certificates in $SEC_DIR (run up with OUTBOX_SECURITY=1)"; return 0; }
+  printf 'export OUTBOX_SEC_DIR=%q\n' "$SEC_DIR"
+  printf 'export OUTBOX_SEC_USER=%s\n' "$SEC_USER"
+  if port_open "$KAFKA_SASL_SSL_PORT" && port_open "$KAFKA_MTLS_PORT"; then
+    printf 'export OUTBOX_SEC_KAFKA_SASL_SSL=%s\n' "$HOST:$KAFKA_SASL_SSL_PORT"
+    printf 'export OUTBOX_SEC_KAFKA_MTLS=%s\n' "$HOST:$KAFKA_MTLS_PORT"
+  else
+    log "the secured Kafka listeners do not answer (ports $KAFKA_SASL_SSL_PORT, $KAFKA_MTLS_PORT)"
+  fi
+  if redis_secure_running; then
+    printf 'export OUTBOX_SEC_REDIS_AUTH_PORT=%s\n' "$REDIS_AUTH_PORT"
+    printf 'export OUTBOX_SEC_REDIS_TLS_PORT=%s\n' "$REDIS_TLS_PORT"
+  else
+    log "the secured Redis does not answer (port $REDIS_AUTH_PORT)"
+  fi
+}
+
 # ---------------------------------------------------------------- commands
 print_exports() {  # print_exports -> export lines for env-provided or our running services; rc 1 if any missing
   local rc=0
@@ -832,6 +1082,7 @@ print_exports() {  # print_exports -> export lines for env-provided or our runni
   if [ -n "${REDIS_URL:-}" ]; then printf 'export REDIS_URL=%q\n' "$REDIS_URL"
   elif redis_running; then printf 'export REDIS_URL=%s\n' "$OWN_REDIS_URL"
   else log "Redis is not running"; rc=1; fi
+  print_security_exports
   return $rc
 }
 
@@ -846,6 +1097,7 @@ cmd_up() {
   local t0=$SECONDS
   if [ -n "${DATABASE_URL:-}" ] && [ -n "${KAFKA_BOOTSTRAP_SERVERS:-}" ] && [ -n "${REDIS_URL:-}" ]; then
     log "DATABASE_URL, KAFKA_BOOTSTRAP_SERVERS and REDIS_URL already set: starting nothing"
+    if security_on; then lock_state; security_up; fi
     print_exports >&3
     return 0
   fi
@@ -855,6 +1107,7 @@ cmd_up() {
   if [ -n "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then log "KAFKA_BOOTSTRAP_SERVERS set: not starting Kafka"
   elif [ "$KAFKA_NODES" = 3 ]; then start_cluster
   else start_kafka; fi
+  security_up
   local out
   out="$(print_exports)" || die "a service is not running after up"
   printf '%s\n' "$out" >"$STATE/env"
@@ -872,6 +1125,7 @@ cmd_status() {
   elif pid="$(kafka_pid)" && port_open "$KAFKA_PORT"; then echo "kafka:    running ($HOST:$KAFKA_PORT, pid $pid, Kafka $KAFKA_VERSION KRaft)"
   elif [ -n "${pid:-}" ]; then echo "kafka:    starting (pid $pid, port $KAFKA_PORT not open)"; rc=1
   else echo "kafka:    stopped"; rc=1; fi
+  security_status || rc=1
   return $rc
 }
 
@@ -882,6 +1136,7 @@ cmd_down() {
   stop_kafka
   if cluster_any_running; then stop_cluster; fi
   stop_redis
+  stop_redis_secure
   stop_postgres
   if [ "$purge" -eq 1 ]; then
     case "$STATE" in ""|/|"$HOME"|"$HOME/") die "refusing to delete state dir '$STATE'" ;; esac

@@ -2,7 +2,8 @@
 
 Run: ``python -m ledgerbox.inbox run --app example_services.orders.consumer:consumer``. The module
 attribute ``consumer`` is built on first access from the environment (``ServiceSettings``:
-``ORDER_DATABASE_URL`` or ``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS``, ``REDIS_URL``,
+``ORDER_DATABASE_URL`` or ``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS`` and the Kafka security
+variables of docs/security.md, ``REDIS_URL``,
 ``PAYMENTS_TOPIC``, ``ORDER_CONSUMER_GROUP``), so importing this module needs no environment.
 """
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from example_services._config import ServiceSettings
 from example_services.orders._handlers import PAYMENT_RESULTS, apply_payment_result
-from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer
+from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, KafkaSettings
 from ledgerbox.outbox import EventEnvelope
 
 __all__ = ["create_consumer"]
@@ -26,7 +27,8 @@ def create_consumer(settings: ServiceSettings | None = None) -> InboxConsumer:
             group_id=cfg.order_consumer_group,
             topics=[cfg.payments_topic],
             database_url=cfg.order_db_url(),
-            kafka_bootstrap_servers=cfg.kafka_bootstrap_servers,
+            # TLS / SASL from the KAFKA_* variables (docs/security.md); PLAINTEXT without them.
+            kafka=KafkaSettings.from_env("consumer", bootstrap_servers=cfg.kafka_bootstrap_servers),
             redis_url=cfg.redis_url,
             # A payment result races nothing but a contradictory result for the same order;
             # the order's version settles that, no lock needed.

@@ -12,7 +12,7 @@ from typing import Any
 
 from example_services._config import ServiceSettings
 from example_services.payments._handlers import pay_order, payment_writer
-from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer
+from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, KafkaSettings
 from ledgerbox.outbox import EventEnvelope
 
 __all__ = ["create_consumer"]
@@ -27,7 +27,8 @@ def create_consumer(settings: ServiceSettings | None = None) -> InboxConsumer:
             group_id=cfg.payment_consumer_group,
             topics=[cfg.orders_topic],
             database_url=cfg.payment_db_url(),
-            kafka_bootstrap_servers=cfg.kafka_bootstrap_servers,
+            # TLS / SASL from the KAFKA_* variables (docs/security.md); PLAINTEXT without them.
+            kafka=KafkaSettings.from_env("consumer", bootstrap_servers=cfg.kafka_bootstrap_servers),
             redis_url=cfg.redis_url,
             # The inbox's aggregate lock is keyed by the event's aggregate (the order), but the
             # contended row is the customer's wallet: its version guards it, and the lock's

@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from example_services._config import ServiceSettings
 from example_services.payments._handlers import payment_writer
 from example_services.payments._models import PaymentStatus, payments, wallets
-from ledgerbox.inbox import VersionConflictError, aupdate_versioned
+from ledgerbox.inbox import KafkaSettings, VersionConflictError, aupdate_versioned
 from ledgerbox.outbox import (
     EnvelopeParseError,
     EventEnvelope,
@@ -103,9 +103,10 @@ async def main() -> None:
     cfg = ServiceSettings()
     writer = payment_writer(cfg.payments_topic)
     engine = create_async_engine(cfg.payment_db_url())
+    settings = KafkaSettings.from_env("consumer", bootstrap_servers=cfg.kafka_bootstrap_servers)
     kafka = AIOKafkaConsumer(
         cfg.orders_topic,
-        bootstrap_servers=cfg.kafka_bootstrap_servers,
+        **settings.client_kwargs(),
         group_id=cfg.payment_consumer_group,
         enable_auto_commit=False,
         auto_offset_reset="earliest",

@@ -25,6 +25,7 @@ __all__ = [
     "describe_driver_error",
     "driver_fault",
     "kafka_fault",
+    "login_refused",
     "sqlstate_fault",
 ]
 
@@ -164,6 +165,29 @@ def driver_fault(exc: BaseException) -> tuple[Fault, str | None, str | None] | N
         # transaction fixes it.
         return _TRANSIENT, None, None
     return _ENV, None, None
+
+
+def login_refused(exc: BaseException) -> bool:
+    """True if the database server answered and refused this login (a wrong or missing
+    password, an unknown user or database): an ENVIRONMENT fault that waiting does not fix,
+    so the daemons' startup checks call it permanent.
+
+    An SQLSTATE of class 28 (invalid authorization) says so; a connection-time error carries
+    none in libpq, so libpq's own account is read too: the server asked for a password
+    (``needs_password``: none was given) or took ours (``used_password``) before the
+    connection failed. The message text is never read. ``exc`` may be wrapped (SQLAlchemy's
+    ``.orig``, a library error's ``__cause__``).
+    """
+    for item in _chain(exc):
+        state = getattr(item, "sqlstate", None)
+        if isinstance(state, str) and state.startswith("28"):
+            return True
+        pgconn = getattr(item, "pgconn", None)
+        if pgconn is not None:
+            return bool(getattr(pgconn, "used_password", False)) or bool(
+                getattr(pgconn, "needs_password", False)
+            )
+    return False
 
 
 def describe_driver_error(exc: BaseException) -> str:

@@ -128,7 +128,9 @@ def settings_from_dataclass(cls: type[Any], **changes: Mapping[str, Any]) -> lis
     the annotation (``Literal`` -> ``str`` with choices, ``X | None`` -> ``X``), default and
     ``required`` from the field, help from the class docstring's numpydoc ``Parameters``
     (first sentence), unit from the name's suffix. ``changes`` maps a field name to
-    attributes to override (e.g. ``database_url={"well_known": ("DATABASE_URL",)}``).
+    attributes to override (e.g. ``database_url={"well_known": ("DATABASE_URL",)}``). A field
+    whose metadata holds ``{"setting": False}`` is not a setting (an object such as
+    ``RelayConfig.kafka``, whose own settings the command adds).
 
     Raises
     ------
@@ -141,7 +143,7 @@ def settings_from_dataclass(cls: type[Any], **changes: Mapping[str, Any]) -> lis
     result: list[Setting] = []
     names = set()
     for f in dataclasses.fields(cls):
-        if not f.init:
+        if not f.init or f.metadata.get("setting") is False:
             continue
         names.add(f.name)
         base, choices = _base_type(hints[f.name])

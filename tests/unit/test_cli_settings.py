@@ -49,7 +49,13 @@ SAMPLE: dict[str, Any] = {
     "cleanup_pause_s": 0.5,
     "backoff_max_s": 3.0,
 }
-FIELDS = [f.name for f in dataclasses.fields(RelayConfig) if f.init]
+#: Every RelayConfig field that is a setting (``kafka`` is an object: its settings are the
+#: ``kafka_*`` ones, tested in tests/unit/test_kafka_settings.py).
+FIELDS = [
+    f.name
+    for f in dataclasses.fields(RelayConfig)
+    if f.init and f.metadata.get("setting") is not False
+]
 RELAY = relay_cli.RELAY_SETTINGS
 
 

@@ -1,0 +1,174 @@
+"""Redaction (ledgerbox._core.redaction) and the endpoint binding rule (ledgerbox._core.endpoint):
+URLs without passwords, secrets remembered by the configs and scrubbed from every log record and
+printed line, metrics on 127.0.0.1 unless told otherwise (docs/security.md)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import urllib.request
+from typing import Any
+
+import pytest
+
+from ledgerbox import ConfigurationError
+from ledgerbox._core import endpoint
+from ledgerbox._core.redaction import (
+    ScrubFilter,
+    Secret,
+    redact_url,
+    remember,
+    remember_url,
+    scrub,
+)
+from ledgerbox.inbox import ConsumerConfig
+from ledgerbox.relay import RelayConfig
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (
+            "postgresql+psycopg://app:pa%40ss-W0rd@db:5432/app?sslmode=verify-full",
+            "postgresql+psycopg://app:***@db:5432/app?sslmode=verify-full",
+        ),
+        ("rediss://ledgerbox:r3dis-pw@cache:6380/0", "rediss://ledgerbox:***@cache:6380/0"),
+        ("redis://:only-pass@cache:6379/0", "redis://:***@cache:6379/0"),
+        ("postgresql://db/app?user=a&password=qu3ry-pw", "postgresql://db/app?user=a&password=***"),
+        ("postgresql://db:5432/app", "postgresql://db:5432/app"),
+    ],
+)
+def test_redact_url_drops_every_password(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+def test_configs_remember_their_passwords_and_scrub_masks_them() -> None:
+    RelayConfig(
+        database_url="postgresql://relay:Rel4y-db-pass@db/app", kafka_bootstrap_servers="k:1"
+    )
+    ConsumerConfig(
+        group_id="g",
+        topics=["t"],
+        database_url="postgresql+psycopg://c:C0nsumer%2Fpass@db/app",
+        kafka_bootstrap_servers="k:1",
+        redis_url="redis://u:R3dis-pass@cache/0",
+    )
+    text = "a: Rel4y-db-pass b: C0nsumer/pass c: C0nsumer%2Fpass d: R3dis-pass e: pass"
+    assert scrub(text) == "a: *** b: *** c: *** d: *** e: pass"
+
+
+def test_short_values_and_parts_of_words_are_not_scrubbed() -> None:
+    remember("pw")
+    remember(None)
+    remember_url("not a url at all")
+    assert scrub("a pw in a text") == "a pw in a text"
+    remember("postgres")  # the local test password: "postgresql" must stay readable
+    assert scrub("postgresql://u:postgres@h/db is postgres") == "postgresql://u:***@h/db is ***"
+
+
+def test_a_secret_prints_as_stars_and_reveals_only_on_request(tmp_path: Any) -> None:
+    secret = Secret("T0ken-value-123")
+    assert (str(secret), repr(secret), f"{secret}", f"{secret:>20}") == (
+        "***",
+        "Secret('***')",
+        "***",
+        "***",
+    )
+    assert secret.reveal() == "T0ken-value-123"
+    path = tmp_path / "s"
+    path.write_text("fr0m-a-file\n")
+    assert Secret.from_file(path).reveal() == "fr0m-a-file"
+    assert scrub("the token T0ken-value-123 leaked") == "the token *** leaked"
+
+
+class _Pydanticish:
+    def get_secret_value(self) -> str:
+        return "py-secret-9"
+
+
+def test_a_pydantic_secret_is_accepted() -> None:
+    assert Secret(_Pydanticish()).reveal() == "py-secret-9"
+    with pytest.raises(TypeError):
+        Secret(12)
+
+
+def test_the_scrub_filter_masks_messages_arguments_and_tracebacks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    remember("L0gged-secret")
+    logger = logging.getLogger("ledgerbox.test.redaction")
+    caplog.handler.addFilter(ScrubFilter())
+    try:
+        logger.warning("connect to %s failed", "redis://u:L0gged-secret@h/0")
+        try:
+            raise RuntimeError("driver said L0gged-secret")
+        except RuntimeError:
+            logger.exception("boom")
+    finally:
+        caplog.handler.filters.clear()
+    assert "L0gged-secret" not in caplog.text
+    assert "redis://u:***@h/0" in caplog.text and "driver said ***" in caplog.text
+
+
+# -- HTTP endpoints ------------------------------------------------------------------------
+
+
+def test_loopback_rule() -> None:
+    assert endpoint.is_loopback("127.0.0.1") and endpoint.is_loopback("::1")
+    assert endpoint.is_loopback("localhost") and endpoint.is_loopback("127.0.0.2")
+    assert not endpoint.is_loopback("0.0.0.0") and not endpoint.is_loopback("10.1.2.3")
+    assert endpoint.needs_token("0.0.0.0") and not endpoint.needs_token("127.0.0.1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_metrics_bind_127_0_0_1_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+
+    def fake_start(port: int, addr: str = "0.0.0.0", **_: Any) -> None:
+        seen.update(port=port, addr=addr)
+
+    import prometheus_client
+
+    monkeypatch.setattr(prometheus_client, "start_http_server", fake_start)
+    endpoint.serve_metrics(9999)
+    assert seen == {"port": 9999, "addr": "127.0.0.1"}
+
+
+def test_metrics_really_listen_on_loopback_only_and_answer() -> None:
+    port = _free_port()
+    endpoint.serve_metrics(port)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        assert response.status == 200
+    listening = _listening_addresses(port)
+    assert listening == {"127.0.0.1"}, listening
+
+
+def test_metrics_on_a_busy_port_is_one_configuration_error() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigurationError) as caught:
+            endpoint.serve_metrics(port)
+    assert caught.value.setting == "metrics_port"
+    assert str(caught.value).startswith(f"metrics endpoint cannot listen on 127.0.0.1:{port}")
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses in LISTEN state on ``port``, from /proc/net/tcp (IPv4)."""
+    found: set[str] = set()
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                raw = bytes.fromhex(address)[::-1]
+                found.add(socket.inet_ntoa(raw))
+    return found
