@@ -1,4 +1,4 @@
-"""Command line of the relay: ``run``, ``check`` and ``status``.
+"""Command line of the relay: ``run``, ``check``, ``status`` and ``rebase``.
 
 Every :class:`RelayConfig` field is a setting (derived from the dataclass, so none can be
 missed): flag ``--field-name``, variable ``LEDGERBOX_RELAY_FIELD_NAME``; the URLs also read
@@ -55,6 +55,13 @@ RELAY_SETTINGS = CommandSettings(
             "metrics_port", int, default=0, help="Serve Prometheus metrics on this port (0: off)"
         ),
         Setting("log_level", str, default="INFO", help="Logging level (DEBUG, INFO, WARNING)"),
+        Setting(
+            "margin_s",
+            float,
+            default=3600.0,
+            help="rebase: rows created up to this long before a shard's last persist are sent"
+            " again too (clock skew between the old and the new server)",
+        ),
     ],
 )
 
@@ -119,8 +126,29 @@ async def _check(config: RelayConfig) -> tuple[bool, str]:
         kafka = f"FAIL ({type(exc).__name__})"
     finally:
         await publisher.stop()
-    healthy = db == "ok" and kafka == "ok"
-    return healthy, f"relay {'ok' if healthy else 'unhealthy'}: database {db}, kafka {kafka}"
+    refused = await _refused(config) if db == "ok" else ""
+    healthy = db == "ok" and kafka == "ok" and not refused
+    line = f"relay {'ok' if healthy else 'unhealthy'}: database {db}, kafka {kafka}"
+    return healthy, line + refused
+
+
+async def _refused(config: RelayConfig) -> str:
+    """``"; shards 3,7 refused: <reason>; <repair>"`` or ``""`` (cursor ahead of the database:
+    restored from a dump into another cluster, docs/relay.md, "Restore and rebase")."""
+    store = pg_store_factory(config)("check")
+    try:
+        refused = await asyncio.wait_for(store.refused_shards(), 10)
+    except (LedgerboxError, TimeoutError) as exc:
+        return f"; cursors FAIL ({type(exc).__name__})"
+    finally:
+        await store.aclose()
+    if not refused:
+        return ""
+    shards = _ranges([s for s, _ in refused]).split(" ")[0]
+    return (
+        f"; shards {shards} refused: {refused[0][1]}; stop the relays and run"
+        " `ledgerbox relay rebase` (docs/relay.md, 'Restore and rebase')"
+    )
 
 
 @RELAY_SETTINGS.typer_command(
@@ -149,12 +177,70 @@ def status(values: Values, ctx: typer.Context) -> None:
             owners.setdefault(f"{label} {name}", []).append(shard)
         for label, shards in sorted(owners.items()):
             typer.echo(f"{label}: {_ranges(shards)}")
+        typer.echo(f"held: {stats.held}")
+        if stats.refused:
+            typer.echo(
+                f"refused shards: {_ranges([s for s, _ in stats.refused])}: {stats.refused[0][1]}"
+                " (run `ledgerbox relay rebase`)"
+            )
 
     try:
         asyncio.run(read())
     except LedgerboxError as exc:
         typer.echo(f"status failed: {exc}", err=True)
         raise typer.Exit(1) from exc
+
+
+@RELAY_SETTINGS.typer_command(
+    app,
+    "rebase",
+    ["database_url", "outbox_table", "schema", "shard_count", "margin_s"],
+    switches={
+        "dry_run": "Print what would be stamped per shard; change nothing",
+        "force": "Run although a live relay holds a lease (its persists are then refused)",
+    },
+)
+def rebase(values: Values, ctx: typer.Context) -> None:
+    """Re-seat every shard's cursor after a restore (relays stopped): each event the old
+    cursor had not passed, or created after its last persist minus --margin-s, is published
+    again, once, in per-key id order (docs/relay.md, 'Restore and rebase')."""
+    config = _config(values)
+
+    async def go() -> int:
+        store = pg_store_factory(config)("rebase")
+        try:
+            stats = await store.stats(config.shard_count)
+            live = sorted({o for s, o, _, ok in stats.owners if ok and o is not None})
+            if live and not values["force"]:
+                typer.echo(
+                    f"rebase refused: relays {', '.join(live)} hold leases; stop them (or pass"
+                    " --force)",
+                    err=True,
+                )
+                return 1
+            done = await store.rebase(values["margin_s"], dry_run=values["dry_run"])
+        finally:
+            await store.aclose()
+        verb = "would stamp" if values["dry_run"] else "stamped"
+        for shard in done:
+            if shard.restamped or shard.frozen:
+                typer.echo(
+                    f"shard {shard.shard}: {verb} {shard.restamped} rows to send again,"
+                    f" {shard.frozen} as published"
+                )
+        again = sum(s.restamped for s in done)
+        typer.echo(
+            f"rebase {'dry run' if values['dry_run'] else 'done'}: {len(done)} shards,"
+            f" {again} rows to send again"
+        )
+        return 0
+
+    try:
+        code = asyncio.run(go())
+    except LedgerboxError as exc:
+        typer.echo(f"rebase failed: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    raise typer.Exit(code)
 
 
 def _ranges(values: list[int]) -> str:
