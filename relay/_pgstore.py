@@ -49,7 +49,7 @@ from ledgerbox.relay._store import (
     StoreFactory,
 )
 
-__all__ = ["PENDING_COUNT", "PgRelayStore", "pg_store_factory"]
+__all__ = ["PENDING_COUNT", "PgRelayStore", "claim_params", "pg_store_factory"]
 
 log = logging.getLogger("ledgerbox.relay.store")
 
@@ -123,8 +123,26 @@ LEAVE: LiteralString = "DELETE FROM {member} WHERE relay_id = %(me)s"
 # Rows of a range: committed after the snapshot `lo` (NULL: nothing published yet) and
 # visible in `hi`. Through the index (shard, txid, id): txid in [xmax(lo), xmax(hi)), plus
 # the transactions in progress at lo (xip(lo)); never from xmin(lo), which would rescan
-# every row committed while a long transaction stays open. Aborted and still running rows
-# are invisible to the statement anyway.
+# every row committed while a long transaction stays open. Two branches of a UNION ALL so
+# that each is a plain index range (with an OR the planner may scan the whole shard and
+# filter: seen on a small table, a cost that grows with history); the transactions of
+# xip(lo) are looked up one by one (an equality on (shard, txid): "txid = ANY(...)" on the
+# index's second column was only used as a filter, and a flattened join was hashed over the
+# whole shard). OFFSET 0 keeps these subqueries as they are written, so the plan does not
+# depend on statistics. Aborted and still running rows are invisible anyway.
+_RANGE_ROWS: LiteralString = """(
+       SELECT {select} FROM {outbox} AS o
+       WHERE o.shard = {shard} AND o.id > {after} AND o.status = 0
+         AND o.txid >= coalesce(pg_snapshot_xmax({lo}), '0'::xid8)
+         AND o.txid < pg_snapshot_xmax({hi}) AND pg_visible_in_snapshot(o.txid, {hi})
+       UNION ALL
+       SELECT {select} FROM unnest({xip}) AS x(txid)
+       CROSS JOIN LATERAL (
+         SELECT o.* FROM {outbox} AS o
+         WHERE o.shard = {shard} AND o.txid = x.txid AND o.id > {after} AND o.status = 0
+           AND pg_visible_in_snapshot(o.txid, {hi}) OFFSET 0) AS o)"""
+
+# The same test as a filter, for rows fetched by id.
 _RANGE: LiteralString = """
       AND ((o.txid >= coalesce(pg_snapshot_xmax({lo}), '0'::xid8)
             AND o.txid < pg_snapshot_xmax({hi}))
@@ -134,6 +152,28 @@ _RANGE: LiteralString = """
 
 def _range(lo: LiteralString, hi: LiteralString) -> LiteralString:
     return _RANGE.replace("{lo}", lo).replace("{hi}", hi)
+
+
+def _range_rows(
+    select: LiteralString,
+    shard: LiteralString,
+    after: LiteralString,
+    lo: LiteralString,
+    hi: LiteralString,
+    xip: LiteralString,
+) -> LiteralString:
+    names = {
+        "{select}": select,
+        "{shard}": shard,
+        "{after}": after,
+        "{lo}": lo,
+        "{hi}": hi,
+        "{xip}": xip,
+    }
+    text = _RANGE_ROWS
+    for name, value in names.items():
+        text = text.replace(name, value)
+    return text
 
 
 # A cursor is ahead of the database when one of its snapshots is beyond the transaction
@@ -194,15 +234,17 @@ ORDER BY l.shard
 # (measured: a 20,000-row range costs ~20 ms per top-1000 sort).
 _RANGE_IDS_HEAD: LiteralString = """
 SELECT c.shard, ARRAY(
-  SELECT o.id FROM {outbox} AS o
-  WHERE o.shard = c.shard AND o.id > c.after_id AND o.status = 0"""
-_RANGE_IDS_TAIL: LiteralString = """
-  ORDER BY o.id LIMIT %(cap)s)
+  SELECT r.id FROM """
+_RANGE_IDS_ROWS: LiteralString = _range_rows(
+    "o.id", "c.shard", "c.after_id", "c.lo", "c.hi", "x.xip"
+)
+_RANGE_IDS_TAIL: LiteralString = """ AS r
+  ORDER BY r.id LIMIT %(cap)s)
 FROM unnest(%(shards)s::int2[], %(lo)s::pg_snapshot[], %(hi)s::pg_snapshot[],
             %(after)s::int8[]) AS c(shard, lo, hi, after_id)
+CROSS JOIN LATERAL (SELECT ARRAY(SELECT pg_snapshot_xip(c.lo)) AS xip OFFSET 0) AS x
 """
-_RANGE_C: LiteralString = _range("c.lo", "c.hi")
-RANGE_IDS: LiteralString = _RANGE_IDS_HEAD + _RANGE_C + _RANGE_IDS_TAIL
+RANGE_IDS: LiteralString = _RANGE_IDS_HEAD + _RANGE_IDS_ROWS + _RANGE_IDS_TAIL
 
 # -- the hot path ----------------------------------------------------------------------------
 
@@ -231,13 +273,14 @@ _CLAIM_RANGES: LiteralString = """
     UNION ALL
     (SELECT o.* FROM unnest(%(shards)s::int2[], %(lo)s::pg_snapshot[], %(hi)s::pg_snapshot[],
                             %(after)s::int8[]) AS c(shard, lo, hi, after_id)
-     CROSS JOIN LATERAL (SELECT coalesce(c.hi, n.cur) AS hi) AS h
      CROSS JOIN LATERAL (
-       SELECT o.* FROM {outbox} AS o
-       WHERE o.shard = c.shard AND o.id > c.after_id AND o.status = 0"""
-_RANGE_H: LiteralString = _range("c.lo", "h.hi")
-_CLAIM_TAIL: LiteralString = """
-       ORDER BY o.id LIMIT %(limit)s
+       SELECT coalesce(c.hi, n.cur) AS hi, ARRAY(SELECT pg_snapshot_xip(c.lo)) AS xip
+       OFFSET 0) AS h
+     CROSS JOIN LATERAL (
+       SELECT r.* FROM """
+_RANGE_H: LiteralString = _range_rows("o.*", "c.shard", "c.after_id", "c.lo", "h.hi", "h.xip")
+_CLAIM_TAIL: LiteralString = """ AS r
+       ORDER BY r.id LIMIT %(limit)s
      ) AS o
      WHERE c.shard <> ALL(n.ahead)
      LIMIT %(limit)s)
@@ -356,17 +399,22 @@ DELETE FROM {member} WHERE expires_at < now() - interval '1 hour'
 """
 
 # Rows a shard's persisted cursor has not passed (status 0: not dead-lettered, held or
-# discarded); a shard without a lease row or cursor has passed nothing. The scan starts at
-# xmin(lo): only recent rows are read, whatever the history.
+# discarded); a shard without a lease row or cursor has passed nothing. The same two index
+# ranges as a claim: only rows committed since lo are read, whatever the history.
 _PENDING_ROWS: LiteralString = """
   SELECT o.created_at FROM generate_series(0, %(shard_count)s - 1) AS s(shard)
   LEFT JOIN {lease} AS l ON l.shard = s.shard
+  CROSS JOIN LATERAL (SELECT ARRAY(SELECT pg_snapshot_xip(l.lo)) AS xip OFFSET 0) AS x
   CROSS JOIN LATERAL (
     SELECT o.created_at FROM {outbox} AS o
     WHERE o.shard = s.shard AND o.status = 0
-      AND o.txid >= coalesce(pg_snapshot_xmin(l.lo), '0'::xid8)
-      AND NOT coalesce(pg_visible_in_snapshot(o.txid, l.lo)
-                       OR (pg_visible_in_snapshot(o.txid, l.hi) AND o.id <= l.after_id), false)
+      AND o.txid >= coalesce(pg_snapshot_xmax(l.lo), '0'::xid8)
+      AND NOT coalesce(pg_visible_in_snapshot(o.txid, l.hi) AND o.id <= l.after_id, false)
+    UNION ALL
+    SELECT o.created_at FROM {outbox} AS o
+    WHERE o.shard = s.shard AND o.status = 0
+      AND o.txid = ANY(x.xip)
+      AND NOT coalesce(pg_visible_in_snapshot(o.txid, l.hi) AND o.id <= l.after_id, false)
   ) AS o"""
 
 _PENDING_COUNT_HEAD: LiteralString = "SELECT count(*) FROM ("
@@ -799,25 +847,7 @@ class PgRelayStore:
         """Read up to ``limit`` rows of the given shards' ranges, sorted by (shard, id); with
         ``hold``, a row behind a dead-lettered row of its key comes with ``held = True``.
         Nothing is locked: a shard has one owner at a time (lease)."""
-        pages = [r for r in reads if r.ids is not None]
-        ranges = [r for r in reads if r.ids is None]
-        page_ids = [i for r in pages for i in (r.ids or ())]
-        room = limit - len(page_ids)
-        if room <= 0:
-            ranges = []
-        params = {
-            "all_shards": [r.shard for r in reads],
-            "all_top": [r.cursor.hi or r.cursor.lo for r in reads],
-            "pshards": [r.shard for r in pages],
-            "plo": [r.cursor.lo for r in pages],
-            "phi": [r.cursor.hi for r in pages],
-            "pids": page_ids,
-            "shards": [r.shard for r in ranges],
-            "lo": [r.cursor.lo for r in ranges],
-            "hi": [r.cursor.hi for r in ranges],
-            "after": [r.cursor.after_id for r in ranges],
-            "limit": max(room, 0),
-        }
+        params = claim_params(reads, limit)
         rows = await self._fetch(CLAIM_BATCH_HOLD if hold else CLAIM_BATCH_SKIP, params, "claim")
         snapshot, ahead = str(rows[0][0]), [int(s) for s in rows[0][1]]
         events = [ClaimedEvent(*row[2:]) for row in rows if row[2] is not None]
@@ -946,6 +976,30 @@ class PgRelayStore:
 
 
 _AHEAD = "cursor ahead of the database (transaction counter behind the cursor's snapshot)"
+
+
+def claim_params(reads: Sequence[ShardRead], limit: int) -> dict[str, Any]:
+    """The parameters of ``CLAIM_BATCH_HOLD`` / ``CLAIM_BATCH_SKIP`` for ``reads`` (pages of
+    listed ids first; the closed ranges share what is left of ``limit``)."""
+    pages = [r for r in reads if r.ids is not None]
+    ranges = [r for r in reads if r.ids is None]
+    page_ids = [i for r in pages for i in (r.ids or ())]
+    room = limit - len(page_ids)
+    if room <= 0:
+        ranges = []
+    return {
+        "all_shards": [r.shard for r in reads],
+        "all_top": [r.cursor.hi or r.cursor.lo for r in reads],
+        "pshards": [r.shard for r in pages],
+        "plo": [r.cursor.lo for r in pages],
+        "phi": [r.cursor.hi for r in pages],
+        "pids": page_ids,
+        "shards": [r.shard for r in ranges],
+        "lo": [r.cursor.lo for r in ranges],
+        "hi": [r.cursor.hi for r in ranges],
+        "after": [r.cursor.after_id for r in ranges],
+        "limit": max(room, 0),
+    }
 
 
 def pg_store_factory(config: RelayConfig) -> StoreFactory:

@@ -31,13 +31,16 @@ from ledgerbox.relay._pgstore import (
     CLAIM_BATCH_HOLD,
     CLEANUP_PUBLISHED,
     PgRelayStore,
+    claim_params,
     pg_store_factory,
 )
 from ledgerbox.relay._store import (
+    Cursor,
     CursorWrite,
     DeadLetter,
     PersistOutcome,
     RelayStore,
+    ShardRead,
     StoreFactory,
 )
 from tests import _relay_support as rs
@@ -587,21 +590,9 @@ async def test_c14_cleanup_bounded_batches_never_deletes_pending(
             cursors = conn.execute(
                 text("SELECT shard, lo::text FROM outbox_relay_lease WHERE shard >= 0")
             ).all()
-        claim_params = {
-            "all_shards": [s for s, _ in cursors],
-            "all_top": [lo for _, lo in cursors],
-            "pshards": [],
-            "plo": [],
-            "phi": [],
-            "pids": [],
-            "shards": [s for s, _ in cursors],
-            "lo": [lo for _, lo in cursors],
-            "hi": [None] * len(cursors),
-            "after": [0] * len(cursors),
-            "limit": 1000,
-        }
+        claim = claim_params([ShardRead(s, Cursor(lo)) for s, lo in cursors], 1000)
         for template, params in (
-            (CLAIM_BATCH_HOLD, claim_params),
+            (CLAIM_BATCH_HOLD, claim),
             (CLEANUP_PUBLISHED, {"retention_s": 7 * 86400.0, "limit": 1000}),
         ):
             cur = await pg.execute(psycopg_sql.SQL("EXPLAIN ") + store._q(template), params)
