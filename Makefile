@@ -11,7 +11,7 @@ SERVICES := eval "$$(bash scripts/services.sh up)"
 PYTEST_ARGS ?=
 PY_DIRS := ledgerbox outbox relay inbox migrations example_services tests bench
 
-.PHONY: venv services test lint unit demo bench soak clean down
+.PHONY: venv services test test-long lint unit demo bench soak clean down
 
 venv: $(VENV)/.installed
 
@@ -34,6 +34,15 @@ unit: venv
 
 test: venv lint
 	$(SERVICES); $(PY) -m pytest -rfEs -p no:cacheprovider $(PYTEST_ARGS)
+
+# Longer runs of what `make test` runs short (~2 min): transactions held open 30 s (idle in
+# transaction, PREPARED) while other keys flow, and 200 examples of the relay's interleaving
+# property (make test: 6 s and 25 examples).
+test-long: venv
+	$(SERVICES); LEDGERBOX_TEST_LONG_TX_S=30 LEDGERBOX_TEST_PROPERTY_EXAMPLES=200 \
+	  $(PY) -m pytest -rfEs -p no:cacheprovider -s $(PYTEST_ARGS) \
+	  "tests/faults/test_relay_cursor.py::test_c01_long_open_transaction_does_not_stall_other_keys" \
+	  tests/integration/test_relay_property.py
 
 demo: venv
 	$(SERVICES); $(PY) -m example_services.demo $(DEMO_ARGS)

@@ -100,7 +100,9 @@ class OutboxTable:
         self.metadata = metadata if metadata is not None else sa.MetaData()
         self.table = _define_table(self.metadata, self.name, self.schema)
         self.row_class: type[_OutboxRow] = type(f"OutboxRow_{self.name}", (_OutboxRow,), {})
-        registry().map_imperatively(self.row_class, self.table)
+        # eager_defaults=False: the flush fetches back only the id (the identity map needs
+        # it), not the server defaults (created_at, status, attempts, txid) it never reads.
+        registry().map_imperatively(self.row_class, self.table, eager_defaults=False)
 
     @property
     def qualified_name(self) -> str:
