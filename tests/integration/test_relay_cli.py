@@ -33,7 +33,9 @@ def test_check_exit_code_follows_health(database_url: str, kafka_bootstrap: str)
     assert "kafka FAIL" in bad.stdout and "database ok" in bad.stdout
 
 
-def test_status_and_run_until_sigterm(engine: Engine, database_url: str) -> None:
+def test_status_and_run_until_sigterm(
+    engine: Engine, database_url: str, kafka_bootstrap: str
+) -> None:
     rs.reset_relay_tables(engine)
     writer = rs.writer_for("cli-status")
     rs.stage(engine, writer, [rs.event(writer, "s1", 1), rs.event(writer, "s2", 1)])
@@ -46,12 +48,16 @@ def test_status_and_run_until_sigterm(engine: Engine, database_url: str) -> None
     assert lines[2] == "dead-lettered: 1"
     assert lines[3] == "shards: no lease rows yet (no relay has started)", lines
 
-    proc = rs.relay_process(database_url, "127.0.0.1:9092", "--relay-id", "cli-run")
+    # This run's own broker (a hard-coded 127.0.0.1:9092 reached whatever listened there).
+    proc = rs.relay_process(database_url, kafka_bootstrap, "--relay-id", "cli-run")
     try:
         deadline = time.monotonic() + 30
         while "cli-run shards: 0-63 (64)" not in _cli("status", DATABASE_URL=database_url).stdout:
             assert time.monotonic() < deadline
             time.sleep(0.2)
+        while rs.pending_count(engine) != 0:  # published while it runs, not only by chance
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
     finally:
         assert rs.stop_process(proc) == 0, "SIGTERM: clean exit"
     after = _cli("status", DATABASE_URL=database_url).stdout
