@@ -292,7 +292,7 @@ class InMemoryRelayStore:
                     row.status, row.seq = _PENDING, stamp
         return opened
 
-    async def range_ids(self, reads: Sequence[ShardRead], cap: int) -> dict[int, list[int]]:
+    async def range_ids(self, reads: Sequence[ShardRead], cap: int) -> dict[int, Sequence[int]]:
         return {
             r.shard: [row.event.id for row in self._range(r.shard, r.cursor, None)][:cap]
             for r in reads

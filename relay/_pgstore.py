@@ -23,6 +23,7 @@ compared with each other.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import datetime
 import logging
@@ -779,8 +780,10 @@ class PgRelayStore:
         rows = await self._fetch(REFUSED_SHARDS, {}, "refused_shards")
         return [(int(s), str(r)) for s, r in rows]
 
-    async def range_ids(self, reads: Sequence[ShardRead], cap: int) -> dict[int, list[int]]:
-        """The next ``cap`` ids of each open range, in id order (id-list paging)."""
+    async def range_ids(self, reads: Sequence[ShardRead], cap: int) -> dict[int, Sequence[int]]:
+        """The next ``cap`` ids of each open range, in id order (id-list paging), as compact
+        arrays (8 bytes an id: with 8 lanes over large ranges a list of Python ints took
+        several MB of the relay's RSS)."""
         if not reads:
             return {}
         params = {
@@ -791,7 +794,7 @@ class PgRelayStore:
             "after": [r.cursor.after_id for r in reads],
         }
         rows = await self._fetch(RANGE_IDS, params, "range_ids")
-        return {int(shard): list(ids) for shard, ids in rows}
+        return {int(shard): array.array("q", ids) for shard, ids in rows}
 
     async def persist(
         self,

@@ -295,7 +295,7 @@ class RelayStore(Protocol):
         (docs/relay.md, "Restore and rebase").
         """
 
-    async def range_ids(self, reads: Sequence[ShardRead], cap: int) -> dict[int, list[int]]:
+    async def range_ids(self, reads: Sequence[ShardRead], cap: int) -> dict[int, Sequence[int]]:
         """For each shard of ``reads`` (open ranges), the ids of its range after
         ``after_id``, in id order, at most ``cap``: the pages of id-list paging."""
 

@@ -74,7 +74,7 @@ class DelegatingStore:
     ) -> list[OpenedShard]:
         return await self.inner.open_shards(held, release_held=release_held)
 
-    async def range_ids(self, reads: Sequence[ShardRead], cap: int) -> dict[int, list[int]]:
+    async def range_ids(self, reads: Sequence[ShardRead], cap: int) -> dict[int, Sequence[int]]:
         return await self.inner.range_ids(reads, cap)
 
     async def persist(

@@ -585,7 +585,7 @@ class _CountingStore(DelegatingStore):
         self.listed = 0
         self.claims = 0
 
-    async def range_ids(self, reads: Sequence[ShardRead], cap: int) -> dict[int, list[int]]:
+    async def range_ids(self, reads: Sequence[ShardRead], cap: int) -> dict[int, Sequence[int]]:
         self.listed += 1
         return await super().range_ids(reads, cap)
 
