@@ -4,7 +4,10 @@ the same records from memory with the same producer settings, in the same run.
 
 Figures: ``relay_events_per_s`` (from the first row marked to the last: startup excluded),
 ``raw_producer_events_per_s``, ``relay_vs_raw_ratio`` (target >= 0.8),
-``relay_peak_rss_mb`` (VmHWM of the relay process; target <= 100), and the hot-key case
+``relay_peak_rss_mb`` (VmHWM of the relay process; target <= 100), the CPU per event of the
+relay process and of its PostgreSQL backends during the drain
+(``relay_drain_relay_cpu_us_per_event``, ``relay_drain_pg_cpu_us_per_event``: less sensitive
+to other load on a shared machine than the rate), and the hot-key case
 (10 keys only): ``hot_keys_events_per_s`` and ``hot_keys_ratio`` = hot / normal (target >= 0.5).
 
 Run: ``python -m bench relay_drain`` or ``python bench/relay_drain.py`` (services up).
@@ -151,8 +154,27 @@ def _started(conn: psycopg.Connection[Any]) -> bool:
     return bool(row[0])  # type: ignore[index]
 
 
-def _relay_drain(url: str, bootstrap: str, processes: int = 1) -> tuple[float, float]:
-    """Run ``processes`` relay CLIs until the outbox is empty; (events/s, peak RSS MB)."""
+def _ticks(pid: int) -> int:
+    """utime + stime of a process, in clock ticks (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def _relay_backends(conn: psycopg.Connection[Any]) -> list[int]:
+    rows = conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name LIKE 'ledgerbox-relay-%'"
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def _relay_drain(url: str, bootstrap: str, processes: int = 1) -> dict[str, float]:
+    """Run ``processes`` relay CLIs until the backlog is published: events/s, peak RSS MB,
+    and the CPU per event (µs) of the relay processes and of their PostgreSQL backends (from
+    /proc, over the measured window)."""
     env = {
         **os.environ,
         "DATABASE_URL": url,
@@ -168,6 +190,7 @@ def _relay_drain(url: str, bootstrap: str, processes: int = 1) -> tuple[float, f
         subprocess.Popen([sys.executable, "-m", "ledgerbox.relay", "run"], cwd=REPO, env=env)
         for _ in range(processes)
     ]
+    hz = os.sysconf("SC_CLK_TCK")
     try:
         with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
             # The clock starts at the first persisted cursor (relay start-up is not measured)
@@ -175,10 +198,15 @@ def _relay_drain(url: str, bootstrap: str, processes: int = 1) -> tuple[float, f
             while not _started(conn):
                 time.sleep(0.01)
             t0 = time.perf_counter()
+            relay0 = sum(_ticks(p.pid) for p in procs)
+            backends0 = {pid: _ticks(pid) for pid in _relay_backends(conn)}
             first = total - _passed_rows(conn, txid)
             while _cursors_passed(conn, txid, shards) < len(shards):
                 time.sleep(0.05)
             elapsed = time.perf_counter() - t0
+            relay_ticks = sum(_ticks(p.pid) for p in procs) - relay0
+            backends = set(backends0) | set(_relay_backends(conn))
+            pg_ticks = sum(_ticks(pid) - backends0.get(pid, 0) for pid in backends)
             assert 0 < first <= total
         hwm_kb = 0
         for proc in procs:
@@ -190,7 +218,12 @@ def _relay_drain(url: str, bootstrap: str, processes: int = 1) -> tuple[float, f
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
             proc.wait(60)
-    return first / elapsed, hwm_kb / 1024
+    return {
+        "relay": first / elapsed,
+        "rss_mb": hwm_kb / 1024,
+        "relay_cpu_us": relay_ticks / hz / first * 1e6,
+        "pg_cpu_us": pg_ticks / hz / first * 1e6,
+    }
 
 
 async def _raw(bootstrap: str, topic: str, rows: list[tuple[Any, ...]]) -> float:
@@ -246,11 +279,11 @@ def _case(
         rows = _rows(topic, keys, events)
         with fresh_database("bench_relay") as url:
             _load(url, rows)
-            relay_rate, rss_mb = _relay_drain(url, bootstrap, relays)
+            drained = _relay_drain(url, bootstrap, relays)
         raw_rate = asyncio.run(_raw(bootstrap, raw_topic, rows)) if raw else float("nan")
     finally:
         asyncio.run(_topics(bootstrap, [topic, raw_topic], create=False))
-    return {"relay": relay_rate, "raw": raw_rate, "rss_mb": rss_mb}
+    return {**drained, "raw": raw_rate}
 
 
 def _history(url: str, rows: int) -> None:
@@ -299,7 +332,7 @@ def _history_cases(bootstrap: str, rounds: int) -> dict[str, Any]:
             asyncio.run(_topics(bootstrap, [topic], create=True))
             try:
                 _load(url, _rows(topic, 1000, HISTORY_EVENTS))
-                full.append(_relay_drain(url, bootstrap)[0])
+                full.append(_relay_drain(url, bootstrap)["relay"])
             finally:
                 asyncio.run(_topics(bootstrap, [topic], create=False))
     ratio = median([f / e for f, e in zip(full, empty, strict=True)])
@@ -341,6 +374,8 @@ def run() -> dict[str, Any]:
         "raw_producer_events_per_s": round(raw, 1),
         "relay_vs_raw_ratio": round(median([r["relay"] / r["raw"] for r in normal]), 3),
         "relay_peak_rss_mb": round(max(r["rss_mb"] for r in normal + hot), 1),
+        "relay_drain_relay_cpu_us_per_event": round(median([r["relay_cpu_us"] for r in normal]), 1),
+        "relay_drain_pg_cpu_us_per_event": round(median([r["pg_cpu_us"] for r in normal]), 1),
         "hot_keys_events_per_s": round(hot_rate, 1),
         "hot_keys_ratio": round(hot_rate / relay, 3),
         "relay_two_processes_events_per_s": round(two_rate, 1),

@@ -161,7 +161,7 @@ class InMemoryRelayStore:
             shard=shard_of(event.partition_key, t.shard_count),
             topic=event.topic,
             partition_key=event.partition_key,
-            payload=json.dumps(event.payload),
+            payload=json.dumps(event.payload).encode(),
             headers=json.dumps(event.headers),
             event_id=str(event.event_id),
             idempotency_key=event.idempotency_key,

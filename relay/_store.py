@@ -52,7 +52,8 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class ClaimedEvent:
     """One committed outbox row claimed for publication, its fields as the Kafka record needs
-    them: ``payload`` and ``headers`` are the JSON texts as stored, ``event_id`` and
+    them: ``payload`` is the JSON as stored, UTF-8 (the record's value as is), ``headers`` the
+    JSON text of the extra headers, ``event_id`` and
     ``aggregate_version`` their text forms, ``occurred_at_ms`` the event time in ms since the
     epoch and ``occurred_at_iso`` its ISO 8601 form (``datetime.isoformat`` of a UTC time).
     ``held``: with ``hold=True`` an earlier row of the same partition key is dead-lettered,
@@ -62,7 +63,7 @@ class ClaimedEvent:
     shard: int
     topic: str
     partition_key: str
-    payload: str
+    payload: bytes
     headers: str
     event_id: str
     idempotency_key: str

@@ -19,7 +19,7 @@ def row(shard: int, row_id: int) -> ClaimedEvent:
         shard=shard,
         topic="t",
         partition_key="k",
-        payload="{}",
+        payload=b"{}",
         headers="{}",
         event_id="e",
         idempotency_key="i",
