@@ -297,7 +297,8 @@ def _history(url: str, rows: int) -> None:
                      event_type, source, aggregate_type, aggregate_id, aggregate_version,
                      payload, headers, occurred_at, created_at)
                    SELECT gen_random_uuid(), 'history:' || g, 'bench-history',
-                     'customer-' || lpad((g %% 1000)::text, 4, '0'), g %% 64, 'OrderPlaced', '/bench',
+                     'customer-' || lpad((g %% 1000)::text, 4, '0'), g %% 64, 'OrderPlaced',
+                     '/bench',
                      'order', 'customer-' || (g %% 1000), g,
                      jsonb_build_object('order_id', gen_random_uuid(), 'seq', g,
                        'amount', '100.00', 'currency', 'EUR', 'note', repeat('x', 180)),
