@@ -16,9 +16,11 @@ database and refuses a cursor ahead of it) when the lane first claims it under a
 again whenever the claim connection was reopened (the database may have crashed or failed
 over: what the lane held in memory may be ahead of what the database kept).
 
-Pipelining (``Lane.run``): a clean batch's persist runs in the background (own connection)
-while the next batch is claimed from the in-memory cursors and sent; at most one persist is
-in flight and each waits for the previous one, so they are applied in order. The next batch
+Pipelining (``Lane.run``): a clean batch's cursors are queued and persisted in the
+background (own connection) while the next batch is claimed from the in-memory cursors and
+sent; at most one persist is in flight, a later one starts only after it, so they are applied
+in order, and under load at most one per ``PERSIST_EVERY_S`` (the batches in between are
+persisted together; at once when the lane goes idle, stops or regroups). The next batch
 is also claimed while the current one awaits its delivery confirmations (prefetch), and
 handed to the producer only once the current one is confirmed in full; a batch with a
 failure or a dead-lettered row drops the prefetched claim (and its cursor moves). Claims
