@@ -15,8 +15,8 @@ SECURE_SERVICES := eval "$$(OUTBOX_SECURITY=1 bash scripts/services.sh up)"
 PYTEST_ARGS ?=
 PY_DIRS := ledgerbox outbox relay inbox migrations example_services tests bench
 
-.PHONY: venv services test test-security lint unit demo bench soak soak-short test-cluster clean
-.PHONY: down
+.PHONY: venv services test test-security test-long lint unit demo bench soak soak-short
+.PHONY: test-cluster clean down
 
 venv: $(VENV)/.installed
 
@@ -47,6 +47,15 @@ test: venv lint
 
 test-security: venv
 	$(SECURE_SERVICES); $(PY) -m pytest -rfEs -p no:cacheprovider tests/security $(PYTEST_ARGS)
+
+# Longer runs of what `make test` runs short (~2 min): transactions held open 30 s (idle in
+# transaction, PREPARED) while other keys flow, and 200 examples of the relay's interleaving
+# property (make test: 6 s and 25 examples).
+test-long: venv
+	$(SERVICES); LEDGERBOX_TEST_LONG_TX_S=30 LEDGERBOX_TEST_PROPERTY_EXAMPLES=200 \
+	  $(PY) -m pytest -rfEs -p no:cacheprovider -s $(PYTEST_ARGS) \
+	  "tests/faults/test_relay_cursor.py::test_c01_long_open_transaction_does_not_stall_other_keys" \
+	  tests/integration/test_relay_property.py
 
 demo: venv
 	$(SERVICES); $(PY) -m example_services.demo $(DEMO_ARGS)

@@ -30,10 +30,14 @@ BENCHES: dict[str, str] = {
 TARGETS: dict[str, tuple[str, float]] = {
     "relay_vs_raw_ratio": (">=", 0.8),
     "relay_vs_peer_ratio": (">=", 10.0),
-    "hot_keys_ratio": (">=", 0.5),
+    "hot_keys_ratio": (">=", 0.8),
+    "relay_scaling_2_vs_1": (">=", 1.0),
+    "relay_history_ratio": (">=", 0.9),
+    "relay_cpu_us_per_event": ("<=", 100.0),
     "e2e_p99_ms": ("<=", 50.0),
     "e2e_p50_ms": ("<=", 10.0),
-    "write_overhead_ratio": ("<=", 1.15),
+    "write_overhead_ratio": ("<=", 1.35),
+    "write_overhead_order_tx": ("<=", 1.15),
     "inbox_vs_plain_ratio": (">=", 0.7),
     "relay_peak_rss_mb": ("<=", 100.0),
 }
@@ -43,7 +47,9 @@ TARGETS: dict[str, tuple[str, float]] = {
 CONTEXT = (
     "relay_events_per_s",
     "raw_producer_events_per_s",
-    "relay_scaling_2_vs_1",
+    "relay_empty_table_events_per_s",
+    "relay_history_events_per_s",
+    "relay_cpu_us_per_event_light",
     "e2e_relay_hop_p50_ms",
     "e2e_consumer_hop_p50_ms",
     "e2e_light_p50_ms",

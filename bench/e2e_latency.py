@@ -11,7 +11,9 @@ the broker's append time (same machine, same clock); the consumer stores it with
 The result splits the latency into the relay hop (commit -> appended to the log) and the
 consumer hop (appended -> handler's transaction committed), and reports the CPU the run used
 per process kind (``cpu_pct`` of each round: % of one core over the first 90% of the round,
-from ``/proc``), because on a small machine the latency is mostly waiting for a core.
+from ``/proc``), because on a small machine the latency is mostly waiting for a core, and
+``relay_cpu_us_per_event``: the relay's CPU per event in microseconds (target <= 100 at
+1,000 events/s; ``relay_cpu_us_per_event_light`` at the light rate).
 
 Then as many lighter rounds (``BENCH_E2E_LIGHT_RATE``, default 200 events/s, 30 s each) show
 the latency when the machine is not saturated by the load generator itself.
@@ -234,7 +236,11 @@ def _round(rate: float, duration_s: float) -> dict[str, float]:
     latencies = [(applied - commit) * 1000 for commit, applied, _ in measured]
     relay_hop = [(appended - commit) * 1000 for commit, _, appended in measured]
     consumer_hop = [(applied - appended) * 1000 for _, applied, appended in measured]
+    offered = len(committed) / duration_s
     return {
+        # CPU the relay process used per event offered, in microseconds (its share of one
+        # core over the round, from /proc, divided by the event rate).
+        "relay_cpu_us_per_event": cpu.get("relay", 0.0) / 100 * 1e6 / offered,
         "p50_ms": _percentile(latencies, 0.50),
         "p99_ms": _percentile(latencies, 0.99),
         "max_ms": max(latencies),
@@ -243,7 +249,7 @@ def _round(rate: float, duration_s: float) -> dict[str, float]:
         "consumer_hop_p50_ms": _percentile(consumer_hop, 0.50),
         "consumer_hop_p99_ms": _percentile(consumer_hop, 0.99),
         "events": float(len(latencies)),
-        "offered_rate_per_s": len(committed) / duration_s,
+        "offered_rate_per_s": offered,
         "cpu_pct": cpu,  # type: ignore[dict-item]
     }
 
@@ -259,6 +265,7 @@ def run() -> dict[str, Any]:
         "e2e_relay_hop_p99_ms": median([r["relay_hop_p99_ms"] for r in rounds]),
         "e2e_consumer_hop_p50_ms": median([r["consumer_hop_p50_ms"] for r in rounds]),
         "e2e_consumer_hop_p99_ms": median([r["consumer_hop_p99_ms"] for r in rounds]),
+        "relay_cpu_us_per_event": median([r["relay_cpu_us_per_event"] for r in rounds]),
         "e2e_rounds": rounds,
         "e2e_rate_per_s": RATE,
         "e2e_duration_s": DURATION_S,
@@ -270,6 +277,9 @@ def run() -> dict[str, Any]:
                 "e2e_light_p50_ms": median([r["p50_ms"] for r in light]),
                 "e2e_light_p99_ms": median([r["p99_ms"] for r in light]),
                 "e2e_light_rate_per_s": LIGHT_RATE,
+                "relay_cpu_us_per_event_light": median(
+                    [r["relay_cpu_us_per_event"] for r in light]
+                ),
                 "e2e_light_rounds": light,
             }
         )

@@ -4,14 +4,22 @@ the same records from memory with the same producer settings, in the same run.
 
 Figures: ``relay_events_per_s`` (from the first row marked to the last: startup excluded),
 ``raw_producer_events_per_s``, ``relay_vs_raw_ratio`` (target >= 0.8),
-``relay_peak_rss_mb`` (VmHWM of the relay process; target <= 100), and the hot-key case
+``relay_peak_rss_mb`` (VmHWM of the relay process; target <= 100), the CPU per event of the
+relay process and of its PostgreSQL backends during the drain
+(``relay_drain_relay_cpu_us_per_event``, ``relay_drain_pg_cpu_us_per_event``: less sensitive
+to other load on a shared machine than the rate), and the hot-key case
 (10 keys only): ``hot_keys_events_per_s`` and ``hot_keys_ratio`` = hot / normal (target >= 0.5).
 
 Run: ``python -m bench relay_drain`` or ``python bench/relay_drain.py`` (services up).
 Also ``relay_scaling_2_vs_1``: two relay processes over one on the same backlog (on 2 cores
 it need not exceed 1). Warm-up first, then ``BENCH_RELAY_ROUNDS`` (default 3) rounds, every
 case once per round, medians reported with every round's figures.
-Environment: ``BENCH_RELAY_EVENTS`` (default 200000), ``BENCH_RELAY_ROUNDS`` (default 3);
+History (``relay_history_ratio``, target >= 0.9): 100,000 events (1,000 keys) drained from an
+empty table vs from one that also holds 2,000,000 published rows created 3 days ago (what a
+few days of retention leave), interleaved; the relay's reads must not grow with history.
+Environment: ``BENCH_RELAY_EVENTS`` (default 200000), ``BENCH_RELAY_ROUNDS`` (default 3),
+``BENCH_HISTORY_ROWS`` (default 2000000; 0: no history case), ``BENCH_HISTORY_EVENTS``
+(default 100000);
 ``LEDGERBOX_RELAY_LANES`` (and any other ``LEDGERBOX_RELAY_*`` setting) reaches the relay CLI,
 and the lane count is recorded in the result (``relay_lanes``, "default" when unset).
 """
@@ -43,6 +51,8 @@ from ledgerbox.outbox import kafka_headers, timestamp_ms
 
 EVENTS = int(os.environ.get("BENCH_RELAY_EVENTS", "200000"))
 ROUNDS = int(os.environ.get("BENCH_RELAY_ROUNDS", "3"))
+HISTORY_ROWS = int(os.environ.get("BENCH_HISTORY_ROWS", "2000000"))
+HISTORY_EVENTS = int(os.environ.get("BENCH_HISTORY_EVENTS", "100000"))
 REPO = Path(__file__).resolve().parent.parent
 PRODUCER = {
     "acks": "all",
@@ -99,21 +109,72 @@ def _load(url: str, rows: list[tuple[Any, ...]]) -> None:
         conn.execute("VACUUM ANALYZE outbox")
 
 
-def _pending(conn: psycopg.Connection[Any]) -> int:
-    return int(conn.execute("SELECT count(*) FROM outbox WHERE status = 0").fetchone()[0])  # type: ignore[index]
+def _loaded(conn: psycopg.Connection[Any]) -> tuple[str, list[int]]:
+    """The transaction id the backlog was written with and its shards."""
+    row = conn.execute("SELECT max(txid)::text FROM outbox").fetchone()
+    shards = [int(r[0]) for r in conn.execute("SELECT DISTINCT shard FROM outbox").fetchall()]
+    assert row is not None
+    return str(row[0]), shards
 
 
-def _exists(conn: psycopg.Connection[Any], status: int) -> bool:
-    # ~0.1 ms through a partial index; a count(*) over the pending index costs ~18 ms at 200k
-    # rows (with parallel workers), which polled every 50 ms took CPU from the relay measured.
+def _cursors_passed(conn: psycopg.Connection[Any], txid: str, shards: list[int]) -> int:
+    """How many of ``shards`` have a persisted cursor that passed transaction ``txid``.
+
+    Reads the 64 lease rows only (~0.1 ms): the monitor must not load the database the relay
+    works against (a count(*) of the backlog polled every 50 ms did, in an earlier version).
+    """
     row = conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = %s)", (status,)
+        "SELECT count(*) FROM outbox_relay_lease WHERE shard = ANY(%s)"
+        " AND pg_visible_in_snapshot(%s::xid8, lo)",
+        (shards, txid),
+    ).fetchone()
+    return int(row[0])  # type: ignore[index]
+
+
+def _passed_rows(conn: psycopg.Connection[Any], txid: str) -> int:
+    """Rows of the backlog the persisted cursors passed (at the start: one batch or so),
+    through the (shard, txid, id) index."""
+    row = conn.execute(
+        """SELECT coalesce(sum(n), 0) FROM outbox_relay_lease AS l CROSS JOIN LATERAL (
+             SELECT count(*) AS n FROM outbox AS o
+             WHERE o.shard = l.shard AND o.txid = %(t)s::xid8 AND o.status = 0
+               AND (pg_visible_in_snapshot(%(t)s::xid8, l.lo)
+                    OR (pg_visible_in_snapshot(%(t)s::xid8, l.hi) AND o.id <= l.after_id))
+           ) AS c WHERE l.shard >= 0 AND coalesce(l.hi, l.lo) IS NOT NULL""",
+        {"t": txid},
+    ).fetchone()
+    return int(row[0])  # type: ignore[index]
+
+
+def _started(conn: psycopg.Connection[Any]) -> bool:
+    """A first cursor was persisted (the relay published its first batch)."""
+    row = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM outbox_relay_lease WHERE coalesce(hi, lo) IS NOT NULL)"
     ).fetchone()
     return bool(row[0])  # type: ignore[index]
 
 
-def _relay_drain(url: str, bootstrap: str, processes: int = 1) -> tuple[float, float]:
-    """Run ``processes`` relay CLIs until the outbox is empty; (events/s, peak RSS MB)."""
+def _ticks(pid: int) -> int:
+    """utime + stime of a process, in clock ticks (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def _relay_backends(conn: psycopg.Connection[Any]) -> list[int]:
+    rows = conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name LIKE 'ledgerbox-relay-%'"
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def _relay_drain(url: str, bootstrap: str, processes: int = 1) -> dict[str, float]:
+    """Run ``processes`` relay CLIs until the backlog is published: events/s, peak RSS MB,
+    and the CPU per event (µs) of the relay processes and of their PostgreSQL backends (from
+    /proc, over the measured window)."""
     env = {
         **os.environ,
         "DATABASE_URL": url,
@@ -121,23 +182,32 @@ def _relay_drain(url: str, bootstrap: str, processes: int = 1) -> tuple[float, f
         "LEDGERBOX_RELAY_LOG_LEVEL": "WARNING",
     }
     with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
-        total = _pending(conn)
+        txid, shards = _loaded(conn)
+        total = int(
+            conn.execute("SELECT count(*) FROM outbox WHERE txid = %s::xid8", (txid,)).fetchone()[0]  # type: ignore[index]
+        )
     procs = [
         subprocess.Popen([sys.executable, "-m", "ledgerbox.relay", "run"], cwd=REPO, env=env)
         for _ in range(processes)
     ]
+    hz = os.sysconf("SC_CLK_TCK")
     try:
         with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
-            # The clock starts at the first mark (relay start-up is not measured) and stops
-            # when nothing is pending; cheap EXISTS polls, so the monitor does not load the
-            # database the relay works against.
-            while not _exists(conn, 1):
+            # The clock starts at the first persisted cursor (relay start-up is not measured)
+            # and stops when every shard's persisted cursor passed the backlog's transaction.
+            while not _started(conn):
                 time.sleep(0.01)
-            t0, first = time.perf_counter(), _pending(conn)
-            while _exists(conn, 0):
+            t0 = time.perf_counter()
+            relay0 = sum(_ticks(p.pid) for p in procs)
+            backends0 = {pid: _ticks(pid) for pid in _relay_backends(conn)}
+            first = total - _passed_rows(conn, txid)
+            while _cursors_passed(conn, txid, shards) < len(shards):
                 time.sleep(0.05)
             elapsed = time.perf_counter() - t0
-            assert first <= total
+            relay_ticks = sum(_ticks(p.pid) for p in procs) - relay0
+            backends = set(backends0) | set(_relay_backends(conn))
+            pg_ticks = sum(_ticks(pid) - backends0.get(pid, 0) for pid in backends)
+            assert 0 < first <= total
         hwm_kb = 0
         for proc in procs:
             status = Path(f"/proc/{proc.pid}/status").read_text()
@@ -148,7 +218,12 @@ def _relay_drain(url: str, bootstrap: str, processes: int = 1) -> tuple[float, f
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
             proc.wait(60)
-    return first / elapsed, hwm_kb / 1024
+    return {
+        "relay": first / elapsed,
+        "rss_mb": hwm_kb / 1024,
+        "relay_cpu_us": relay_ticks / hz / first * 1e6,
+        "pg_cpu_us": pg_ticks / hz / first * 1e6,
+    }
 
 
 async def _raw(bootstrap: str, topic: str, rows: list[tuple[Any, ...]]) -> float:
@@ -204,11 +279,73 @@ def _case(
         rows = _rows(topic, keys, events)
         with fresh_database("bench_relay") as url:
             _load(url, rows)
-            relay_rate, rss_mb = _relay_drain(url, bootstrap, relays)
+            drained = _relay_drain(url, bootstrap, relays)
         raw_rate = asyncio.run(_raw(bootstrap, raw_topic, rows)) if raw else float("nan")
     finally:
         asyncio.run(_topics(bootstrap, [topic, raw_topic], create=False))
-    return {"relay": relay_rate, "raw": raw_rate, "rss_mb": rss_mb}
+    return {**drained, "raw": raw_rate}
+
+
+def _history(url: str, rows: int) -> None:
+    """``rows`` published rows created 3 days ago (what a few days of retention leave), in
+    transactions of 100,000, and every shard's cursor past them, as the relay that published
+    them persisted it."""
+    with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
+        for start in range(0, rows, 100_000):
+            conn.execute(
+                """INSERT INTO outbox (event_id, idempotency_key, topic, partition_key, shard,
+                     event_type, source, aggregate_type, aggregate_id, aggregate_version,
+                     payload, headers, occurred_at, created_at)
+                   SELECT gen_random_uuid(), 'history:' || g, 'bench-history',
+                     'customer-' || lpad((g %% 1000)::text, 4, '0'), g %% 64, 'OrderPlaced',
+                     '/bench',
+                     'order', 'customer-' || (g %% 1000), g,
+                     jsonb_build_object('order_id', gen_random_uuid(), 'seq', g,
+                       'amount', '100.00', 'currency', 'EUR', 'note', repeat('x', 180)),
+                     '{}'::jsonb, now() - interval '3 days', now() - interval '3 days'
+                   FROM generate_series(%s::int8, %s::int8) AS g""",
+                (start, min(start + 100_000, rows) - 1),
+            )
+        conn.execute(
+            "INSERT INTO outbox_relay_lease (shard, fence) SELECT g, 0"
+            " FROM generate_series(-1, 63) AS g ON CONFLICT (shard) DO NOTHING"
+        )
+        conn.execute(
+            "UPDATE outbox_relay_lease SET lo = pg_current_snapshot(), persisted_at = now(),"
+            " seen_xmax = pg_snapshot_xmax(pg_current_snapshot()),"
+            " sysid = (SELECT system_identifier FROM pg_control_system()) WHERE shard >= 0"
+        )
+        conn.execute("VACUUM ANALYZE outbox")
+
+
+def _history_cases(bootstrap: str, rounds: int) -> dict[str, Any]:
+    """Drain HISTORY_EVENTS (1,000 keys) from an empty outbox and from one that also holds
+    HISTORY_ROWS published rows, interleaved, ``rounds`` times each (the history database is
+    kept: each drained backlog joins the history)."""
+    empty, full = [], []
+    with fresh_database("bench_history") as url:
+        started = time.perf_counter()
+        _history(url, HISTORY_ROWS)
+        built_s = time.perf_counter() - started
+        for _ in range(rounds):
+            empty.append(_case(1000, bootstrap, raw=False, events=HISTORY_EVENTS)["relay"])
+            topic = f"bench-relay-{uuid.uuid4().hex[:8]}"
+            asyncio.run(_topics(bootstrap, [topic], create=True))
+            try:
+                _load(url, _rows(topic, 1000, HISTORY_EVENTS))
+                full.append(_relay_drain(url, bootstrap)["relay"])
+            finally:
+                asyncio.run(_topics(bootstrap, [topic], create=False))
+    ratio = median([f / e for f, e in zip(full, empty, strict=True)])
+    return {
+        "relay_history_rows": HISTORY_ROWS,
+        "relay_history_events": HISTORY_EVENTS,
+        "relay_history_build_s": round(built_s, 1),
+        "relay_empty_table_events_per_s": round(median(empty), 1),
+        "relay_history_events_per_s": round(median(full), 1),
+        "relay_history_ratio": round(ratio, 3),
+        "relay_history_raw": {"empty": empty, "history": full},
+    }
 
 
 def run() -> dict[str, Any]:
@@ -216,6 +353,8 @@ def run() -> dict[str, Any]:
 
     Each round drains the 1,000-key backlog with one relay and sends the same records raw,
     drains the 10-key backlog, and drains the 1,000-key backlog with two relay processes.
+    Then the history case: 100,000 events from an empty table vs from one with 2,000,000
+    published rows (``relay_history_ratio``, target >= 0.9).
     """
     bootstrap = kafka_bootstrap()
     _case(1000, bootstrap, events=min(EVENTS, 5_000))  # warm-up: broker, caches, connections
@@ -236,12 +375,16 @@ def run() -> dict[str, Any]:
         "raw_producer_events_per_s": round(raw, 1),
         "relay_vs_raw_ratio": round(median([r["relay"] / r["raw"] for r in normal]), 3),
         "relay_peak_rss_mb": round(max(r["rss_mb"] for r in normal + hot), 1),
+        "relay_drain_relay_cpu_us_per_event": round(median([r["relay_cpu_us"] for r in normal]), 1),
+        "relay_drain_pg_cpu_us_per_event": round(median([r["pg_cpu_us"] for r in normal]), 1),
         "hot_keys_events_per_s": round(hot_rate, 1),
         "hot_keys_ratio": round(hot_rate / relay, 3),
         "relay_two_processes_events_per_s": round(two_rate, 1),
         "relay_scaling_2_vs_1": round(two_rate / relay, 3),
         "relay_drain_raw": {"normal": normal, "hot_keys": hot, "two_relays": two},
     }
+    if HISTORY_ROWS > 0:
+        result.update(_history_cases(bootstrap, ROUNDS))
     write_result("relay_drain", result)
     return result
 

@@ -1,29 +1,53 @@
 """Write-path overhead: a business transaction with one staged outbox event vs without.
 
-Each transaction inserts one order row in a sync SQLAlchemy ``Session`` and commits; the
-"with" variant also stages one event (``OutboxWriter.stage``: ``session.add``, inserted at
-the same flush). Variants alternate transaction by transaction (interleaved) so machine noise
-hits both alike; the ratio of total times is reported per round and the median over rounds.
-Target: ``write_overhead_ratio <= 1.15``.
+``write_overhead_ratio`` (target <= 1.35): each transaction inserts one order row in a sync
+SQLAlchemy ``Session`` and commits; the "with" variant also stages one event
+(``OutboxWriter.stage``: ``session.add``, inserted at the same flush).
+
+``write_overhead_order_tx`` (target <= 1.15): the example order service's real transaction
+(``example_services/orders/api.py``, ``POST /orders`` without HTTP): on an ``AsyncConnection``,
+``astage_once`` of the ``OrderPlaced`` event, the order row, its history row and the read of
+the order; without the event, the same minus ``astage_once``.
+
+Variants alternate transaction by transaction (interleaved) so machine noise hits both
+alike; the ratio of total times is reported per round and the median over rounds.
+
+``BENCH_WRITE_INDEX_COST=1`` also reports what each index (and the NOTIFY trigger) of the
+outbox costs a producer: the one-row transaction with every index vs with that one dropped,
+interleaved, in ms per transaction (``write_index_cost_ms``; docs/performance.md).
 
 Run: ``python -m bench write_overhead`` (services up, ``DATABASE_URL`` set).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 import uuid
 from decimal import Decimal
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 from sqlalchemy.orm import Session
 
 from bench._common import fresh_database, median, write_result
 from ledgerbox.outbox import OutboxWriter, TopicRouter, idempotency_key
 
-TRANSACTIONS = 2_000
+TRANSACTIONS = int(os.environ.get("BENCH_WRITE_TRANSACTIONS", "2000"))
 ROUNDS = 3
+INDEX_COST = os.environ.get("BENCH_WRITE_INDEX_COST", "") == "1"
+
+#: What the index-cost runs drop, one at a time (DDL to drop it; the name it is reported as).
+_DROPS: dict[str, str] = {
+    "pk (id)": "ALTER TABLE outbox DROP CONSTRAINT outbox_pkey",
+    "uq_outbox_event_id": "ALTER TABLE outbox DROP CONSTRAINT uq_outbox_event_id",
+    "uq_outbox_idempotency_key": "ALTER TABLE outbox DROP CONSTRAINT uq_outbox_idempotency_key",
+    "ix_outbox_shard_txid": "DROP INDEX ix_outbox_shard_txid",
+    "ix_outbox_held (partial)": "DROP INDEX ix_outbox_held",
+    "NOTIFY trigger": "DROP TRIGGER outbox_notify ON outbox",
+}
 
 
 def _round(engine: sa.Engine, orders: sa.Table, writer: OutboxWriter) -> tuple[float, float]:
@@ -56,6 +80,183 @@ def _round(engine: sa.Engine, orders: sa.Table, writer: OutboxWriter) -> tuple[f
     return with_s, without_s
 
 
+async def _order_round(
+    engine: Any, writer: OutboxWriter, tables: Any, n: int
+) -> tuple[float, float]:
+    """The order service's transaction, with and without its event, interleaved."""
+    orders, applied = tables
+    with_s = without_s = 0.0
+    for i in range(2 * n):
+        staged = i % 2 == 0
+        order_id = uuid.uuid4()
+        start = time.perf_counter()
+        async with engine.begin() as conn:
+            await _place_order(conn, writer, orders, applied, order_id, staged)
+        elapsed = time.perf_counter() - start
+        if staged:
+            with_s += elapsed
+        else:
+            without_s += elapsed
+    return with_s, without_s
+
+
+async def _place_order(
+    conn: AsyncConnection,
+    writer: OutboxWriter,
+    orders: sa.Table,
+    applied: sa.Table,
+    order_id: uuid.UUID,
+    staged: bool,
+) -> None:
+    # As example_services/orders/api.py place_order, after validation.
+    customer = f"c{order_id.int % 1000}"
+    if staged:
+        event = writer.event(
+            event_type="OrderPlaced",
+            aggregate_type="order",
+            aggregate_id=order_id,
+            aggregate_version=1,
+            partition_key=customer,
+            payload={
+                "order_id": str(order_id),
+                "customer_id": customer,
+                "amount": "10.00",
+                "currency": "EUR",
+            },
+            idempotency_key=idempotency_key("order", customer, order_id.hex),
+        )
+        created = (await writer.astage_once(conn, event)).created
+        assert created
+    await conn.execute(
+        sa.insert(orders).values(
+            id=order_id,
+            customer_id=customer,
+            amount=Decimal("10.00"),
+            currency="EUR",
+            status="PENDING",
+            version=1,
+        )
+    )
+    await conn.execute(
+        sa.insert(applied).values(
+            order_id=order_id,
+            event_id=uuid.uuid5(uuid.NAMESPACE_URL, order_id.hex),
+            event_type="OrderPlaced",
+            from_status=None,
+            to_status="PENDING",
+            version_before=0,
+            version_after=1,
+            outcome="applied",
+        )
+    )
+    (await conn.execute(sa.select(orders).where(orders.c.id == order_id))).mappings().one()
+
+
+def _order_tx() -> dict[str, Any]:
+    from example_services.orders._models import metadata, order_events_applied, orders
+
+    with fresh_database("bench_order") as url:
+        sync = sa.create_engine(url)
+        metadata.create_all(sync)
+        sync.dispose()
+        writer = OutboxWriter(
+            TopicRouter(by_event_type={"OrderPlaced": "orders.events"}), source="/order-service"
+        )
+
+        async def rounds() -> list[tuple[float, float]]:
+            engine = create_async_engine(url, pool_size=2)
+            try:
+                tables = (orders, order_events_applied)
+                await _order_round(engine, writer, tables, TRANSACTIONS // 4)  # warm-up
+                return [
+                    await _order_round(engine, writer, tables, TRANSACTIONS) for _ in range(ROUNDS)
+                ]
+            finally:
+                await engine.dispose()
+
+        measured = asyncio.run(rounds())
+    ratios = [w / wo for w, wo in measured]
+    return {
+        "write_overhead_order_tx": median(ratios),
+        "write_overhead_order_tx_ratios": ratios,
+        "write_order_tx_with_event_ms": median([w for w, _ in measured]) / TRANSACTIONS * 1000,
+        "write_order_tx_without_event_ms": median([w for _, w in measured]) / TRANSACTIONS * 1000,
+    }
+
+
+def _index_costs() -> dict[str, Any]:
+    """ms per one-row transaction with every index and with each one dropped (interleaved:
+    one database per variant, transactions alternating between them)."""
+    variants = ["all", *_DROPS]
+    urls: dict[str, str] = {}
+    stack: list[Any] = []
+    try:
+        for variant in variants:
+            ctx = fresh_database("bench_index")
+            urls[variant] = ctx.__enter__()
+            stack.append(ctx)
+            if variant != "all":
+                with sa.create_engine(urls[variant]).begin() as conn:
+                    conn.execute(sa.text(_DROPS[variant]))
+        engines = {v: sa.create_engine(u, pool_size=1) for v, u in urls.items()}
+        metadata = sa.MetaData()
+        orders = _orders_table(metadata)
+        for engine in engines.values():
+            metadata.create_all(engine)
+        writer = OutboxWriter(TopicRouter(default="orders.events"), source="/bench")
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for tx in range(TRANSACTIONS // 4 + TRANSACTIONS * len(variants)):
+            variant = variants[tx % len(variants)]
+            elapsed = _one_tx(engines[variant], orders, writer, staged=True)
+            if tx >= TRANSACTIONS // 4:  # after a warm-up
+                times[variant].append(elapsed)
+        for engine in engines.values():
+            engine.dispose()
+    finally:
+        for ctx in reversed(stack):
+            ctx.__exit__(None, None, None)
+    base = median(times["all"]) * 1000
+    return {
+        "write_index_cost_ms": {
+            "all (ms per tx)": round(base, 3),
+            **{f"{v} (ms saved)": round(base - median(times[v]) * 1000, 3) for v in _DROPS},
+        }
+    }
+
+
+def _orders_table(metadata: sa.MetaData) -> sa.Table:
+    return sa.Table(
+        "orders",
+        metadata,
+        sa.Column("id", sa.Uuid, primary_key=True),
+        sa.Column("customer_id", sa.Text, nullable=False),
+        sa.Column("amount", sa.Numeric(12, 2), nullable=False),
+    )
+
+
+def _one_tx(engine: sa.Engine, orders: sa.Table, writer: OutboxWriter, *, staged: bool) -> float:
+    order_id = uuid.uuid4()
+    start = time.perf_counter()
+    with Session(engine) as session, session.begin():
+        session.execute(
+            orders.insert().values(id=order_id, customer_id="c1", amount=Decimal("10.00"))
+        )
+        if staged:
+            writer.stage(session, _event(writer, order_id))
+    return time.perf_counter() - start
+
+
+def _event(writer: OutboxWriter, order_id: uuid.UUID) -> Any:
+    return writer.event(
+        event_type="OrderPlaced",
+        aggregate_type="order",
+        aggregate_id=order_id,
+        aggregate_version=1,
+        payload={"order_id": order_id, "amount": Decimal("10.00")},
+        idempotency_key=idempotency_key("order", order_id),
+    )
+
+
 def run() -> dict[str, Any]:
     """Run the benchmark; return the figures (seconds, ratio)."""
     with fresh_database("bench_write") as url:
@@ -78,7 +279,7 @@ def run() -> dict[str, Any]:
             without_all.append(without_s)
             ratios.append(with_s / without_s)
         engine.dispose()
-    return {
+    result: dict[str, Any] = {
         "write_overhead_ratio": median(ratios),
         "write_overhead_ratios": ratios,
         "write_with_event_s": with_all,
@@ -87,6 +288,10 @@ def run() -> dict[str, Any]:
         "write_with_event_ms_per_tx": median(with_all) / TRANSACTIONS * 1000,
         "write_without_event_ms_per_tx": median(without_all) / TRANSACTIONS * 1000,
     }
+    result.update(_order_tx())
+    if INDEX_COST:
+        result.update(_index_costs())
+    return result
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """The outbox table: SQLAlchemy Core metadata, its ORM mapping for ``Session.add``, and DDL.
 
-The relay owns the publication columns (``status``, ``attempts``, ``published_at``,
-``last_error``); producers only ever insert. See ``docs/outbox.md``.
+Producers only ever insert; every row is stamped with the id of the transaction that wrote it
+(``txid``, a column default), which is all the relay needs to find what committed since its
+cursor (docs/relay.md, "Read design"): nothing is written per published row. The relay owns
+the columns it writes for the rare rows that leave the normal flow (``status``,
+``attempts``, ``last_error``); ``published_at`` is only set on rows published under schema
+v1. See ``docs/outbox.md``.
 """
 
 from __future__ import annotations
@@ -16,17 +20,27 @@ from sqlalchemy.orm import registry
 
 from ledgerbox._core.identifiers import sql_identifier
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
+from ledgerbox.outbox._types import Xid8
 
 __all__ = ["DEFAULT_SHARD_COUNT", "EventStatus", "OutboxTable", "shard_of"]
 
 
 class EventStatus(enum.IntEnum):
-    """State of an outbox row. Transitions: PENDING -> PUBLISHED, PENDING -> DEAD_LETTERED
-    (Kafka refused the record for good) -> PENDING (an operator replays it)."""
+    """The ``status`` column of an outbox row.
+
+    ``PENDING`` (0) is the normal state: whether such a row is published yet is decided by
+    the relay's cursor of its shard, not by the row (schema v2 writes nothing per published
+    row; ``relay status`` counts the pending ones). ``PUBLISHED`` (1) marks rows published
+    under schema v1. Transitions: PENDING -> DEAD_LETTERED (Kafka refused the record for
+    good); PENDING -> HELD (with ``on_dead_letter="hold"``, an earlier event of its key is
+    dead-lettered); DEAD_LETTERED -> PENDING (replayed: sent again, then the HELD rows of its
+    key, in id order) or -> DISCARDED (given up: the HELD rows of its key go on)."""
 
     PENDING = 0
     PUBLISHED = 1
     DEAD_LETTERED = 2
+    HELD = 3
+    DISCARDED = 4
 
 
 def shard_of(partition_key: str, shard_count: int = DEFAULT_SHARD_COUNT) -> int:
@@ -86,7 +100,9 @@ class OutboxTable:
         self.metadata = metadata if metadata is not None else sa.MetaData()
         self.table = _define_table(self.metadata, self.name, self.schema)
         self.row_class: type[_OutboxRow] = type(f"OutboxRow_{self.name}", (_OutboxRow,), {})
-        registry().map_imperatively(self.row_class, self.table)
+        # eager_defaults=False: the flush fetches back only the id (the identity map needs
+        # it), not the server defaults (created_at, status, attempts, txid) it never reads.
+        registry().map_imperatively(self.row_class, self.table, eager_defaults=False)
 
     @property
     def qualified_name(self) -> str:
@@ -165,28 +181,26 @@ def _define_table(metadata: sa.MetaData, name: str, schema: str | None) -> sa.Ta
         sa.Column("attempts", sa.Integer, nullable=False, server_default=sa.text("0")),
         sa.Column("published_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("last_error", sa.Text, nullable=True),
+        # The writing transaction's top-level id (a savepoint's rows carry it too; a rolled
+        # back savepoint's rows are never visible). STABLE, so adding the column to a
+        # populated table is a fast default (no rewrite).
+        sa.Column("txid", Xid8(), nullable=False, server_default=sa.text("pg_current_xact_id()")),
+        # Each index below costs every producer a write (docs/performance.md, "Write cost of
+        # each index"); each is needed by a guarantee or by the relay's reads.
+        # G4 and the duplicate check of stage_once: one row per event id and per key.
         sa.UniqueConstraint("event_id", name=f"uq_{name}_event_id"),
         sa.UniqueConstraint("idempotency_key", name=f"uq_{name}_idempotency_key"),
-        # The relay's "what is left to publish in my shards" query: tiny, only pending rows.
+        # The relay's claim (rows of a shard committed in a range of transactions, in id
+        # order), the pending count and the cleanup (rows of a shard below a horizon).
+        sa.Index(f"ix_{name}_shard_txid", "shard", "txid", "id"),
+        # on_dead_letter="hold" ("is an earlier event of this key dead-lettered?") and the
+        # replay of a key's held rows: only dead-lettered and held rows, so a producer's
+        # insert evaluates the predicate and writes no entry.
         sa.Index(
-            f"ix_{name}_pending",
-            "shard",
-            "id",
-            postgresql_where=sa.text("status = 0"),
-        ),
-        # The relay's on_dead_letter="hold" check ("is an earlier event of this key
-        # dead-lettered?"): tiny, only dead-lettered rows.
-        sa.Index(
-            f"ix_{name}_dead",
+            f"ix_{name}_held",
             "partition_key",
             "id",
-            postgresql_where=sa.text("status = 2"),
-        ),
-        # Cleanup of published rows by age, without scanning pending ones.
-        sa.Index(
-            f"ix_{name}_published_at",
-            "published_at",
-            postgresql_where=sa.text("status = 1"),
+            postgresql_where=sa.text("status IN (2, 3)"),
         ),
         schema=schema,
     )

@@ -17,6 +17,7 @@ from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka
 from ledgerbox._core.names import SCHEMA_REVISION, SCHEMA_REVISIONS
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import PublishError, StoreError
+from ledgerbox.relay._policy import shard_ranges
 from ledgerbox.relay._publisher import KafkaPublisher
 from ledgerbox.relay._store import RelayStore, SchemaReport
 
@@ -84,6 +85,8 @@ async def check_relay(
         )
     else:
         found = _schema_problems(config, report)
+        if not found:
+            found = await _refused_problems(store, timeout_s)
         problems += found
         pending_topics = report.pending_topics
         if not found:
@@ -197,6 +200,26 @@ def _schema_problems(config: RelayConfig, report: SchemaReport) -> list[Problem]
             )
         )
     return problems
+
+
+async def _refused_problems(store: RelayStore, timeout_s: float) -> list[Problem]:
+    # Cursors ahead of the database: restored from a dump into another cluster (docs/relay.md,
+    # "Restore and rebase"). Not fatal for `relay run`: the other shards are published.
+    try:
+        async with asyncio.timeout(timeout_s):
+            refused = await store.refused_shards()
+    except (StoreError, TimeoutError) as exc:
+        return [Problem(False, f"the cursors could not be read ({exc}): check the database")]
+    if not refused:
+        return []
+    shards = shard_ranges([s for s, _ in refused])
+    return [
+        Problem(
+            False,
+            f"shards {shards} refused: {refused[0][1]}: stop the relays and run "
+            "`ledgerbox relay rebase` (docs/relay.md, 'Restore and rebase')",
+        )
+    ]
 
 
 def _kafka_problem(config: RelayConfig, exc: PublishError) -> Problem:

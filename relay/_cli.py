@@ -1,4 +1,4 @@
-"""Command line of the relay: ``run``, ``check`` and ``status``.
+"""Command line of the relay: ``run``, ``check``, ``status`` and ``rebase``.
 
 Every :class:`RelayConfig` field is a setting (derived from the dataclass, so none can be
 missed): flag ``--field-name``, variable ``LEDGERBOX_RELAY_FIELD_NAME``; the URLs also read
@@ -38,6 +38,7 @@ from ledgerbox.relay._checks import CheckResult, check_relay
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._hooks import RelayHooks
 from ledgerbox.relay._pgstore import pg_store_factory
+from ledgerbox.relay._policy import shard_ranges
 from ledgerbox.relay._publisher import KafkaPublisher
 from ledgerbox.relay._relay import Relay
 
@@ -79,6 +80,13 @@ RELAY_SETTINGS = CommandSettings(
             "machine)",
         ),
         Setting("log_level", str, default="INFO", help="Logging level (DEBUG, INFO, WARNING)"),
+        Setting(
+            "margin_s",
+            float,
+            default=3600.0,
+            help="rebase: rows created up to this long before a shard's last persist are sent"
+            " again too (clock skew between the old and the new server)",
+        ),
     ],
 )
 
@@ -195,6 +203,12 @@ def status(values: Values, ctx: typer.Context) -> None:
             owners.setdefault(f"{label} {name}", []).append(shard)
         for label, shards in sorted(owners.items()):
             typer.echo(f"{label}: {_ranges(shards)}")
+        typer.echo(f"held: {stats.held}")
+        if stats.refused:
+            typer.echo(
+                f"refused shards: {_ranges([s for s, _ in stats.refused])}: {stats.refused[0][1]}"
+                " (run `ledgerbox relay rebase`)"
+            )
 
     try:
         asyncio.run(read())
@@ -203,19 +217,61 @@ def status(values: Values, ctx: typer.Context) -> None:
         raise typer.Exit(1) from None
 
 
+@RELAY_SETTINGS.typer_command(
+    app,
+    "rebase",
+    ["database_url", "outbox_table", "schema", "shard_count", "margin_s"],
+    switches={
+        "dry_run": "Print what would be stamped per shard; change nothing",
+        "force": "Run although a live relay holds a lease (its persists are then refused)",
+    },
+)
+def rebase(values: Values, ctx: typer.Context) -> None:
+    """Re-seat every shard's cursor after a restore (relays stopped): each event the old
+    cursor had not passed, or created after its last persist minus --margin-s, is published
+    again, once, in per-key id order (docs/relay.md, 'Restore and rebase')."""
+    config = _config(values)
+
+    async def go() -> int:
+        store = pg_store_factory(config)("rebase")
+        try:
+            stats = await store.stats(config.shard_count)
+            live = sorted({o for s, o, _, ok in stats.owners if ok and o is not None})
+            if live and not values["force"]:
+                typer.echo(
+                    f"rebase refused: relays {', '.join(live)} hold leases; stop them (or pass"
+                    " --force)",
+                    err=True,
+                )
+                return 1
+            done = await store.rebase(values["margin_s"], dry_run=values["dry_run"])
+        finally:
+            await store.aclose()
+        verb = "would stamp" if values["dry_run"] else "stamped"
+        for shard in done:
+            if shard.restamped or shard.frozen:
+                typer.echo(
+                    f"shard {shard.shard}: {verb} {shard.restamped} rows to send again,"
+                    f" {shard.frozen} as published"
+                )
+        again = sum(s.restamped for s in done)
+        typer.echo(
+            f"rebase {'dry run' if values['dry_run'] else 'done'}: {len(done)} shards,"
+            f" {again} rows to send again"
+        )
+        return 0
+
+    try:
+        code = asyncio.run(go())
+    except LedgerboxError as exc:
+        typer.echo(f"rebase failed: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    raise typer.Exit(code)
+
+
 def _ranges(values: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5 (4)"``."""
-    parts: list[str] = []
-    ordered = sorted(values)
-    start = prev = ordered[0]
-    for value in [*ordered[1:], None]:
-        if value is not None and value == prev + 1:
-            prev = value
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if value is not None:
-            start = prev = value
-    return f"{','.join(parts)} ({len(values)})"
+    return f"{shard_ranges(values)} ({len(values)})"
 
 
 def main(argv: Sequence[str] | None = None, *, hooks: RelayHooks | None = None) -> None:

@@ -66,11 +66,17 @@ class RelayConfig:
         dead-lettered: ``"hold"`` (default) keeps them pending until an operator replays or discards
         the dead one (per-key order, G3); ``"skip"`` publishes them.
     retention_s : float
-        Age after publication at which the leader deletes a row, in seconds (default 7 days).
+        Age (by ``created_at``) past which the leader deletes a published row, in seconds
+        (default 7 days).
     relay_id : str | None
         Name of this relay in the lease tables; ``None``: ``host-pid-random``.
     shard_count : int
         Number of shards; must equal the writers' ``OutboxTable.shard_count`` (default 64).
+    claim_linger_ms : int
+        Most a claim waits for more events to gather, in milliseconds (default 5, 0..50):
+        in a stream of events a lane claims at most once per ``claim_linger_ms`` instead of
+        once per NOTIFY; no wait when the previous claim started longer ago (a lone event
+        goes out at once) or came back full (docs/relay.md, "Wake-up and pacing").
     linger_ms : int
         Producer linger, in milliseconds (default 0). The relay hands the producer complete
         record batches (one per partition per claimed batch), so waiting for more records
@@ -114,6 +120,7 @@ class RelayConfig:
     retention_s: float = 7 * 86400.0
     relay_id: str | None = None
     shard_count: int = DEFAULT_SHARD_COUNT
+    claim_linger_ms: int = 5
     linger_ms: int = 0
     producer_batch_bytes: int = 262_144
     request_timeout_ms: int = 30_000
@@ -160,6 +167,7 @@ class RelayConfig:
         _check(self.on_dead_letter in _ON_DEAD_LETTER, "on_dead_letter", "must be 'hold' or 'skip'")
         _check(self.retention_s >= 0, "retention_s", "must be >= 0")
         _check(1 <= self.shard_count <= 32767, "shard_count", "must be in 1..32767")
+        _check(0 <= self.claim_linger_ms <= 50, "claim_linger_ms", "must be in 0..50")
         _check(0 <= self.linger_ms <= 10_000, "linger_ms", "must be in 0..10000")
         _check(self.producer_batch_bytes >= 1024, "producer_batch_bytes", "must be >= 1024")
         _check(self.request_timeout_ms >= 1000, "request_timeout_ms", "must be >= 1000")

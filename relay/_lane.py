@@ -1,31 +1,46 @@
-"""One lane: the claim -> publish -> mark pipeline of the shards ``shard % lanes == index``.
+"""One lane: the claim -> publish -> persist pipeline of the shards ``shard % lanes == index``.
 
-Per batch: claim up to ``batch_size`` pending rows (``status = 0``) of the lane's usable
-shards, per shard in id order (LATERAL over the partial index ``(shard, id) WHERE status =
-0``, shards rotated between batches so none starves); send them all, then await all delivery
-confirmations; then mark the confirmed ones ``status = 1`` in ONE ``UPDATE ... WHERE id =
-ANY(...)`` that also checks, in SQL, that this relay still holds each shard under the fence
-it claimed it with. No cursor, no "last id seen": an event whose transaction commits late
-(C01) is simply pending and the next claim finds it.
+Per batch: claim up to ``batch_size`` committed rows of the lane's usable shards, each
+shard's from its cursor's range in id order (:mod:`ledgerbox.relay._cursor`: the cursor of
+the next claim is kept in memory, shared by the lanes in a
+:class:`~ledgerbox.relay._cursor.CursorBook`; shards rotated between batches so none
+starves); send them all, then await all delivery confirmations; then persist each shard's
+cursor in ONE statement that also checks, in SQL, that this relay still holds the shard
+under the fence it claimed it with. Nothing is written per row: an event whose transaction
+commits late (C01) is in a later range, and the next claim finds it.
 
-Pipelining (``Lane.run``): a clean batch's mark runs in the background (own connection)
-while the next batch is claimed, excluding the rows being marked by id, and sent; at most
-one mark is in flight (measured to help). The next batch is also claimed while the current
-one awaits its confirmations (prefetch), and handed to the producer only once the current
-one is confirmed in full; a batch with a failure drops the prefetched claim.
+A failed send advances a shard only to its last row handled in a row (confirmed,
+dead-lettered or held); the rest is read again. A shard's cursor is read from its lease row
+(:meth:`~ledgerbox.relay._store.RelayStore.open_shards`, which validates it against the
+database and refuses a cursor ahead of it) when the lane first claims it under a fence, and
+again whenever the claim connection was reopened (the database may have crashed or failed
+over: what the lane held in memory may be ahead of what the database kept).
+
+Pipelining (``Lane.run``): a clean batch's cursors are queued and persisted in the
+background (own connection) while the next batch is claimed from the in-memory cursors and
+sent; at most one persist is in flight, a later one starts only after it, so they are applied
+in order, and under load at most one per ``PERSIST_EVERY_S`` (the batches in between are
+persisted together; at once when the lane goes idle, stops or regroups). The next batch
+is also claimed while the current one awaits its delivery confirmations (prefetch), and
+handed to the producer only once the current one is confirmed in full; a batch with a
+failure or a dead-lettered row drops the prefetched claim (and its cursor moves). Claims
+are paced (:class:`~ledgerbox.relay._pacing.ClaimPacer`): in a stream of events, one claim
+per ``claim_linger_ms`` at most.
 
 Refused records: a record the publisher refuses before sending, or that the broker refuses
-on its own, is dead-lettered (``status = 2``, ``last_error``). The broker rejects a whole
-record batch for one bad record, so the records of a failed batch whose fault is the
-record's are sent again one by one and only the one that fails alone is dead-lettered. With
-``on_dead_letter="hold"`` later events of its key are not sent (the claim skips them too).
+on its own, is dead-lettered (``status = 2``, ``last_error``) in the persist that passes
+it. The broker rejects a whole record batch for one bad record, so the records of a failed
+batch whose fault is the record's are sent again one by one and only the one that fails
+alone is dead-lettered. With ``on_dead_letter="hold"`` later events of its key are not sent
+and are held (``status = 3``) in the same persist; the claim flags the later events of a
+key with a dead-lettered row (``ClaimedEvent.held``).
 A record refused for its timestamp alone (the broker's ``log.message.timestamp.after.max.ms``
 or ``before.max.ms``) is never dead-lettered: it is sent again with the relay's send time as
 its timestamp, the event time staying in ``ce_time`` (C19, docs/outbox.md "Event time").
 
 A lane maps each shard to exactly one lane (``shard % lanes``), so rows of one shard (and
 key) are handed to the shared producer by one pipeline, one batch after the other, in id
-order (G3). A failed mark after a successful send is retried with backoff (C04); if the
+order (G3). A failed persist after a successful send is retried with backoff (C04); if the
 process dies meanwhile the rows are sent again with the same event ids (G4).
 """
 
@@ -35,17 +50,27 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ledgerbox._core.backoff import Backoff
 from ledgerbox._core.faults import Fault
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._config import RelayConfig
+from ledgerbox.relay._cursor import (
+    CursorBook,
+    ShardState,
+    next_states,
+    persisted_cursor,
+    plan_reads,
+    with_ids,
+)
 from ledgerbox.relay._errors import StoreError
 from ledgerbox.relay._health import RelayHealth
 from ledgerbox.relay._hooks import RelayHooks
 from ledgerbox.relay._leases import Leases
+from ledgerbox.relay._pacing import ClaimPacer
 from ledgerbox.relay._policy import (
     failure_reason,
     held_behind_dead_letter,
@@ -56,7 +81,14 @@ from ledgerbox.relay._producer import SharedProducer
 from ledgerbox.relay._publisher import OutboundRecord
 from ledgerbox.relay._record import restamped, to_record
 from ledgerbox.relay._stop import StopSignal
-from ledgerbox.relay._store import ClaimedEvent, RelayStore
+from ledgerbox.relay._store import (
+    ClaimedEvent,
+    CursorWrite,
+    DeadLetter,
+    PersistOutcome,
+    RelayStore,
+    ShardRead,
+)
 
 __all__ = ["Lane", "LaneDeps"]
 
@@ -64,6 +96,17 @@ log = logging.getLogger("ledgerbox.relay")
 
 _Dead = list[tuple[ClaimedEvent, str]]
 _Outcome = tuple[list[ClaimedEvent], _Dead, BaseException | None]
+_T = TypeVar("_T")
+
+#: Id-list paging reads at most this many batches' worth of ids of a large range at once
+#: (8 bytes each in memory; more are listed when they are used up).
+ID_LIST_BATCHES = 16
+
+#: Under load a lane persists its cursors at most this often (seconds): the batches in
+#: between are persisted together. A persist is a round trip (~100 us of the relay's CPU on
+#: a small VM): one per batch was a fifth of the relay's CPU at 1,000 events/s. A crash
+#: re-sends at most this much (same event ids).
+PERSIST_EVERY_S = 0.025
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +116,8 @@ class LaneDeps:
     Attributes
     ----------
     config : RelayConfig
-        ``batch_size``, ``on_dead_letter``, ``poll_interval_s``, ``request_timeout_ms``.
+        ``batch_size``, ``on_dead_letter``, ``poll_interval_s``, ``request_timeout_ms``,
+        ``claim_linger_ms``.
     leases : Leases
         Usable shards and their fences; drained shards are released after each batch.
     producer : SharedProducer
@@ -83,11 +127,15 @@ class LaneDeps:
     regroup : asyncio.Event
         Set when the lane count is to change: the lane finishes its batch and returns.
     hooks : RelayHooks
-        ``after_confirm`` is awaited between confirmation and mark (test-only).
+        ``after_confirm`` is awaited between confirmation and persist (test-only).
     on_claimed : Callable[[int], None]
         Told the size of each claim of :meth:`Lane.run` (the lane scaler).
     health : RelayHealth
         Told when the lane's database calls fail and work again (part ``"claims"``).
+    cursors : CursorBook
+        The reading positions of the relay's shards (shared by the lanes).
+    clock : Callable[[], float]
+        Monotonic clock in seconds (claim pacing).
     """
 
     config: RelayConfig
@@ -99,17 +147,33 @@ class LaneDeps:
     hooks: RelayHooks
     on_claimed: Callable[[int], None]
     health: RelayHealth
+    cursors: CursorBook = field(default_factory=CursorBook)
+    clock: Callable[[], float] = time.monotonic
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """One claim: its rows and how it moved the cursors of the shards it read."""
+
+    events: list[ClaimedEvent]
+    fences: dict[int, int]
+    before: dict[int, ShardState]
+    after: dict[int, ShardState]
+    hi: dict[int, str]
+
+
+_EMPTY = _Batch([], {}, {}, {}, {})
 
 
 class Lane:
-    """State and steps of one claim -> publish -> mark pipeline.
+    """State and steps of one claim -> publish -> persist pipeline.
 
     Parameters
     ----------
     index : int
         The lane claims the usable shards with ``shard % lanes == index``.
     store, mark_store : RelayStore
-        Claim connection and mark connection (marks overlap the next claim).
+        Claim connection and persist connection (persists overlap the next claim).
     deps : LaneDeps
     """
 
@@ -121,22 +185,36 @@ class Lane:
         self.mark_store = mark_store
         self.wake = asyncio.Event()
         self._deps = deps
+        self._cursors = deps.cursors
+        # Shards whose state this lane read or claimed on its claim connection as it is now
+        # (``store.epoch``): any other state is read again from its lease row.
+        self._epoch = store.epoch
+        self._valid: set[int] = set()
+        self._pacer = ClaimPacer(deps.config.claim_linger_ms / 1000, deps.config.batch_size)
         self._inflight: set[int] = set()
-        self._marking: asyncio.Task[int] | None = None
-        self._prefetch: asyncio.Task[tuple[list[ClaimedEvent], dict[int, int]]] | None = None
-        self._marking_ids: list[int] = []
-        self._marking_shards: set[int] = set()
+        self._persisting: asyncio.Task[int] | None = None
+        self._prefetch: asyncio.Task[_Batch] | None = None
+        self._persisting_shards: set[int] = set()
+        # Cursors of confirmed batches not persisted yet (latest per shard), their published
+        # counts, the first event of the oldest one (for logs), when the last persist began.
+        self._queued: dict[int, CursorWrite] = {}
+        self._queued_counts: dict[int, int] = {}
+        self._queued_first: ClaimedEvent | None = None
+        self._last_persist = -float("inf")
         self._rotation = 0
         self._claimed_from_db = False  # the last claim ran a query (it had shards)
+        self._lanes = 0
+        self._more = True  # the last claim left rows to read (full, or ranges left open)
 
     @property
     def stores(self) -> tuple[RelayStore, RelayStore]:
-        """The claim and the mark store."""
+        """The claim and the persist store."""
         return self.store, self.mark_store
 
     def busy_shards(self) -> set[int]:
-        """Shards with rows in flight or being marked (not releasable now)."""
-        return self._inflight | self._marking_shards
+        """Shards with rows in flight, or confirmed but not persisted yet (not releasable
+        now)."""
+        return self._inflight | self._persisting_shards | set(self._queued)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -176,27 +254,28 @@ class Lane:
             await self.finish()
 
     async def finish(self) -> None:
-        """Drop the prefetched claim and wait for the background mark."""
+        """Drop the prefetched claim, persist what is queued and wait for it."""
         await self._drop_prefetch()
-        await self._finish_marking()
+        await self._flush_persist()
+        await self._finish_persist()
 
     def cancel(self) -> None:
-        """Cancel the background mark and prefetch (the relay was cancelled, not stopped):
-        their rows stay pending and are sent again later with the same event ids."""
-        for task in (self._marking, self._prefetch):
+        """Cancel the background persist and prefetch (the relay was cancelled, not stopped):
+        their rows are sent again later with the same event ids."""
+        for task in (self._persisting, self._prefetch):
             if task is not None:
                 task.cancel()
 
     # -- one batch -------------------------------------------------------------------------
 
     async def publish_batch(self, lanes: int, *, pipelined: bool = False) -> tuple[int, int]:
-        """Claim, publish, mark one batch; returns ``(claimed, marked published)``.
+        """Claim, publish, persist one batch; returns ``(claimed, published)``.
 
         ``lanes``: lanes running now (the lane claims ``shard % lanes == index``).
         ``pipelined``: while a batch awaits its delivery confirmations the next one is
-        claimed; a clean batch's mark runs in the background while the next batch is sent
-        (its rows excluded from the claims); at most one mark in flight. The returned count
-        then includes rows whose mark is still running.
+        claimed; a clean batch's persist runs in the background while the next batch is
+        sent; at most one persist in flight. The returned count then includes rows whose
+        persist is still running.
 
         Raises
         ------
@@ -206,52 +285,62 @@ class Lane:
         deps = self._deps
         started = time.perf_counter()
         task, self._prefetch = self._prefetch, None
-        events: list[ClaimedEvent] = []
-        fences: dict[int, int] = {}
+        batch = _EMPTY
         if task is not None:
-            events, fences = await task
+            batch = await task
         leaving = deps.regroup.is_set() or deps.stop.is_set()
-        if not events and not leaving and (task is None or self.wake.is_set()):
+        if not batch.events and not leaving and (task is None or self.wake.is_set()):
             # Nothing prefetched, or the prefetch found nothing and a NOTIFY came in since it
             # began: claim afresh. (An empty prefetch without a NOTIFY since needs no second
             # claim: at low load that halves the claims.) Not when the lane is about to stop:
             # that claim would clear the wake flag of a lane that then waits for it; the next
             # group of lanes claims afresh anyway.
-            events, fences = await self._claim(lanes, self._marking_ids)
-        if not events:
-            await self._finish_marking()
+            batch = await self._claim(lanes)
+        if not batch.events:
+            await self._flush_persist()
             return 0, 0
-        # The claim may have been slow: publish only shards still held under the same fence.
+        # The claim may have been slow: publish only shards still held under the same fence;
+        # the others are read again from their lease rows if they come back.
         leases = deps.leases
-        usable = {s for s in leases.usable() if leases.fence(s) == fences.get(s)}
-        events = [e for e in events if e.shard in usable]
+        usable = {s for s in leases.usable() if leases.fence(s) == batch.fences.get(s)}
+        gone = {e.shard for e in batch.events} - usable
+        self._cursors.forget(gone)
+        self._valid.difference_update(gone)
+        events = [e for e in batch.events if e.shard in usable]
+        if not events:
+            await self._flush_persist()
+            return 0, 0
         self._inflight = {e.shard for e in events}
+        published = 0
         try:
-            after_send = (lambda: self._start_prefetch(lanes, events)) if pipelined else None
-            confirmed, dead, failure = await self._publish(events, after_send)
+            after_send = (lambda: self._start_prefetch(lanes)) if pipelined else None
+            sendable = [e for e in events if not e.held]
+            confirmed, dead, failure = await self._publish(sendable, after_send)
+            handled, held = _handled(events, confirmed, dead, deps.config.on_dead_letter)
             if failure is not None or dead:
                 # The prefetched claim may hold later rows of a key whose row failed or died.
                 await self._drop_prefetch()
-            for event, reason in dead:
-                await self._dead_letter(event, fences[event.shard], reason)
-            await self._finish_marking()
-            published = 0
-            if confirmed:
-                if deps.hooks.after_confirm is not None:
-                    await deps.hooks.after_confirm()
-                ids = [e.id for e in confirmed]
-                shard_fences = sorted({(e.shard, fences[e.shard]) for e in confirmed})
-                if pipelined and failure is None and not dead:
-                    self._marking_ids = ids
-                    self._marking_shards = {s for s, _ in shard_fences}
-                    # The background mark keeps ids and fences only, not the batch's rows
-                    # (peak RSS with several lanes).
-                    self._marking = asyncio.create_task(
-                        self._mark_published(ids, shard_fences, confirmed[0])
+            if confirmed and deps.hooks.after_confirm is not None:
+                await deps.hooks.after_confirm()
+            writes, retry = self._writes(batch, events, handled)
+            counts = _per_shard(confirmed)
+            letters = [DeadLetter(e.id, e.shard, reason) for e, reason in dead]
+            if pipelined and failure is None and not dead and not held:
+                # Queued for the background persist, which keeps cursors and counts only,
+                # not the batch's rows (peak RSS with several lanes).
+                self._queue(writes, counts, events[0])
+                published = len(confirmed)
+                self._persist_soon()
+            else:
+                # In order: whatever is queued (older cursors) goes in this persist too.
+                await self._finish_persist()
+                writes, counts = self._take_queued(writes, counts)
+                if writes:
+                    published = await self._persist(
+                        writes, letters, held, counts, events[0], dead_events=dead
                     )
-                    published = len(confirmed)
-                else:
-                    published = await self._mark_published(ids, shard_fences, confirmed[0])
+            for shard, state in retry.items():
+                self._cursors.states[shard] = state
         except BaseException:
             await self._drop_prefetch()
             raise
@@ -265,55 +354,236 @@ class Lane:
         await leases.release_drained()
         return len(events), published
 
-    async def _claim(
-        self, lanes: int, exclude: list[int]
-    ) -> tuple[list[ClaimedEvent], dict[int, int]]:
-        """Claim the next batch of the lane's usable shards; returns it with the fences it
-        was claimed under.
+    def _writes(
+        self, batch: _Batch, events: list[ClaimedEvent], handled: set[int]
+    ) -> tuple[list[CursorWrite], dict[int, ShardState]]:
+        """The cursors to persist for the shards of ``events``, and the in-memory states of
+        the shards to read again from a failed row on."""
+        rows: dict[int, list[tuple[int, bool]]] = {}
+        for event in events:
+            rows.setdefault(event.shard, []).append((event.id, event.id in handled))
+        writes: list[CursorWrite] = []
+        retry: dict[int, ShardState] = {}
+        for shard, shard_rows in rows.items():
+            before, after = batch.before[shard], batch.after[shard]
+            cursor = persisted_cursor(before, after, batch.hi[shard], shard_rows)
+            if cursor is not None:
+                writes.append(CursorWrite(shard, batch.fences[shard], cursor))
+            if not all(ok for _, ok in shard_rows):
+                retry[shard] = ShardState(before.fence, cursor or before.cursor)
+        return writes, retry
+
+    # -- claim -----------------------------------------------------------------------------
+
+    async def _claim(self, lanes: int, *, prefetch: bool = False) -> _Batch:
+        """Claim the next batch of the lane's usable shards from the in-memory cursors (read
+        from the lease rows first where the lane has none under the current fence).
 
         Clears the lane's wake flag first: a NOTIFY that arrives from here on sets it again,
         so "flag set" means "a commit may have landed after the last claim began"."""
+        deps = self._deps
+        if lanes != self._lanes:
+            # Another lane count: other shards map to this lane now (and the lane's former
+            # shards to other lanes, which read them again).
+            self._valid.clear()
+            self._lanes = lanes
+        delay = self._pacer.delay_s(deps.clock())
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if prefetch and not self.wake.is_set() and not self._more:
+            # Nothing committed since the last claim began (no NOTIFY; a lost one is caught
+            # by the polling) and nothing left in its ranges: at low load this prefetch
+            # would find nothing, every time.
+            return _EMPTY
         self.wake.clear()
-        leases, config = self._deps.leases, self._deps.config
+        leases = deps.leases
         shards = [s for s in leases.usable() if s % lanes == self.index]
         self._claimed_from_db = bool(shards)
         if not shards:
-            return [], {}
+            return _EMPTY
         start = self._rotation % len(shards)
         self._rotation += 1
         shards = shards[start:] + shards[:start]
         fences = {s: leases.fence(s) for s in shards}
-        events = await self.store.claim_batch(
-            shards, config.batch_size, hold=config.on_dead_letter == "hold", exclude=exclude
-        )
-        return events, fences
+        self._pacer.started(deps.clock())
+        for _ in range(3):
+            batch = await self._claim_once(shards, fences)
+            if batch is not None:
+                self._pacer.claimed(len(batch.events))
+                return batch
+        return _EMPTY
 
-    def _start_prefetch(self, lanes: int, sent: list[ClaimedEvent]) -> None:
-        """Claim the next batch while the current one awaits Kafka (pipelining). It excludes
-        the rows in flight (``sent``) and those being marked; it is only used if the current
-        batch is confirmed in full, and its records are handed to the producer only after
-        that, so batches reach the producer one after the other, in order."""
-        exclude = [e.id for e in sent] + self._marking_ids
+    async def _claim_once(self, shards: list[int], fences: dict[int, int]) -> _Batch | None:
+        """One attempt; ``None`` if the claim connection was reopened meanwhile (the states
+        of the lane's shards are then dropped and read again)."""
+        store, cursors = self.store, self._cursors
+        if store.epoch != self._epoch:
+            self._reset_epoch()
+        await self._open(fences)
+        states = {
+            s: cursors.states[s]
+            for s in shards
+            if s in self._valid and s in cursors.states and cursors.states[s].fence == fences[s]
+        }
+        await self._list_ids(shards, states)
+        ordered = [(s, states[s]) for s in shards if s in states]
+        reads = plan_reads(ordered, self._deps.config.batch_size)
+        if not reads:
+            return _EMPTY
+        limit = self._deps.config.batch_size
+        claim = await store.claim_batch(
+            reads, limit, hold=self._deps.config.on_dead_letter == "hold"
+        )
+        if store.epoch != self._epoch:
+            self._reset_epoch()
+            return None
+        if claim.ahead:
+            # Opening them again records the refusal (sticky) and logs it.
+            cursors.forget(claim.ahead)
+            self._valid.difference_update(claim.ahead)
+            await self._open({s: fences[s] for s in claim.ahead})
+        after = next_states(states, reads, claim, limit)
+        before = {s: states[s] for s in after}
+        cursors.states.update(after)
+        self._more = len(claim.events) >= limit or any(
+            st.cursor.hi is not None for st in after.values()
+        )
+        hi = {r.shard: r.cursor.hi or claim.snapshot for r in reads}
+        events = [e for e in claim.events if e.shard in after]
+        return _Batch(events, fences, before, after, hi)
+
+    def _reset_epoch(self) -> None:
+        """The claim connection was reopened: the database may have crashed or failed over
+        and kept less than the lane saw; every state is read again from the lease rows."""
+        self._cursors.forget(self._valid)
+        self._valid.clear()
+        self._epoch = self.store.epoch
+
+    async def _open(self, fences: dict[int, int]) -> None:
+        """Read (and validate) the cursors of the shards without a state under their fence."""
+        cursors = self._cursors
+        wanted = [
+            (s, f)
+            for s, f in fences.items()
+            if (s not in self._valid or s not in cursors.states or cursors.states[s].fence != f)
+            and cursors.refused.get(s, (None,))[0] != f
+        ]
+        if not wanted:
+            return
+        release = self._deps.config.on_dead_letter == "skip"
+        for opened in await self.store.open_shards(wanted, release_held=release):
+            if opened.cursor is not None:
+                cursors.states[opened.shard] = ShardState(opened.fence, opened.cursor)
+                cursors.refused.pop(opened.shard, None)
+                self._valid.add(opened.shard)
+                continue
+            reason = opened.refused or "refused"
+            if cursors.refused.get(opened.shard) != (opened.fence, reason):
+                log.error(
+                    "shard %d refused: %s; stop the relays and run `ledgerbox relay rebase`"
+                    " (docs/relay.md, 'Restore and rebase')",
+                    opened.shard,
+                    reason,
+                    extra={"shard": opened.shard},
+                )
+            cursors.refused[opened.shard] = (opened.fence, reason)
+        m.REFUSED_SHARDS.set(len(cursors.refused))
+
+    async def _list_ids(self, shards: list[int], states: dict[int, ShardState]) -> None:
+        """Give every open range of ``shards`` that has none a list of its next ids (one
+        statement for all of them)."""
+        need = [
+            ShardRead(s, states[s].cursor) for s in shards if s in states and states[s].needs_ids
+        ]
+        if not need:
+            return
+        cap = ID_LIST_BATCHES * self._deps.config.batch_size
+        listed = await self.store.range_ids(need, cap)
+        for read in need:
+            state = with_ids(states[read.shard], listed.get(read.shard, []), cap)
+            states[read.shard] = self._cursors.states[read.shard] = state
+
+    def _start_prefetch(self, lanes: int) -> None:
+        """Claim the next batch while the current one awaits Kafka (pipelining), from the
+        cursors the current claim left; it is only used if the current batch is confirmed
+        in full, and its records are handed to the producer only after that, so batches
+        reach the producer one after the other, in order."""
         self._prefetch = asyncio.create_task(
-            self._claim(lanes, exclude), name=f"relay-prefetch-{self.index}"
+            self._claim(lanes, prefetch=True), name=f"relay-prefetch-{self.index}"
         )
 
     async def _drop_prefetch(self) -> None:
+        """Cancel the prefetched claim; if it had completed, its shards' cursors go back to
+        where it started."""
         task, self._prefetch = self._prefetch, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StoreError):
-                await task
+        if task is None:
+            return
+        task.cancel()
+        batch: _Batch | None = None
+        with contextlib.suppress(asyncio.CancelledError, StoreError):
+            batch = await task
+        if batch is not None:
+            self._cursors.states.update(batch.before)
 
-    async def _finish_marking(self) -> None:
-        """Wait for the background mark of the lane's previous batch (pipelining)."""
-        task, self._marking = self._marking, None
+    def _queue(
+        self, writes: list[CursorWrite], counts: dict[int, int], first: ClaimedEvent
+    ) -> None:
+        for write in writes:
+            self._queued[write.shard] = write  # a later cursor of a shard replaces an earlier
+        for shard, n in counts.items():
+            self._queued_counts[shard] = self._queued_counts.get(shard, 0) + n
+        self._queued_first = self._queued_first or first
+
+    def _take_queued(
+        self, writes: list[CursorWrite], counts: dict[int, int]
+    ) -> tuple[list[CursorWrite], dict[int, int]]:
+        """The queued cursors with ``writes`` after them (latest per shard), and counts."""
+        merged = {**self._queued, **{w.shard: w for w in writes}}
+        total = dict(self._queued_counts)
+        for shard, n in counts.items():
+            total[shard] = total.get(shard, 0) + n
+        self._queued, self._queued_counts, self._queued_first = {}, {}, None
+        return list(merged.values()), total
+
+    def _persist_soon(self, *, now: bool = False) -> None:
+        """Start the background persist of the queued cursors unless one is running; under
+        load at most one per ``PERSIST_EVERY_S`` (the batches in between are persisted
+        together: a crash re-sends at most that much, with the same event ids), at once
+        when ``now`` (the lane goes idle, stops or regroups)."""
+        if not self._queued or (self._persisting is not None and not self._persisting.done()):
+            return
+        clock = self._deps.clock()
+        if not now and clock - self._last_persist < PERSIST_EVERY_S:
+            return
+        if self._persisting is not None:
+            self._reap(self._persisting)
+        first = self._queued_first
+        assert first is not None
+        writes, counts = self._take_queued([], {})
+        self._last_persist = clock
+        self._persisting_shards = {w.shard for w in writes}
+        self._persisting = asyncio.create_task(self._persist(writes, (), (), counts, first))
+
+    @staticmethod
+    def _reap(task: asyncio.Task[int]) -> None:
+        """Surface an unexpected error of a finished background persist."""
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+
+    async def _flush_persist(self) -> None:
+        """Persist what is queued now (after the running persist; not waiting for it)."""
+        if self._queued:
+            await self._finish_persist()
+            self._persist_soon(now=True)
+
+    async def _finish_persist(self) -> None:
+        """Wait for the background persist of the lane's previous batch (pipelining)."""
+        task, self._persisting = self._persisting, None
         try:
             if task is not None:
                 await task
         finally:
-            self._marking_ids = []
-            self._marking_shards = set()
+            self._persisting_shards = set()
 
     # -- publish ---------------------------------------------------------------------------
 
@@ -411,42 +681,54 @@ class Lane:
         (future,) = await self._deps.producer.send_many([record])
         await future
 
-    # -- mark ------------------------------------------------------------------------------
+    # -- persist ---------------------------------------------------------------------------
 
-    async def _mark_published(
-        self, ids: list[int], shard_fences: list[tuple[int, int]], first: ClaimedEvent
+    async def _persist(
+        self,
+        writes: list[CursorWrite],
+        dead: Sequence[DeadLetter],
+        held: Sequence[tuple[int, int]],
+        confirmed: dict[int, int],
+        first: ClaimedEvent,
+        *,
+        dead_events: _Dead | None = None,
     ) -> int:
-        n = await self._retry_store(
-            "mark", lambda: self.mark_store.mark_published(ids, shard_fences), first
+        outcomes = await self._retry_store(
+            "mark", lambda: self.mark_store.persist(writes, dead, held), first
         )
-        if n is None:
+        if outcomes is None:
             return 0
-        if n < len(ids):
-            log.warning(
-                "%d of %d published events not marked: lease lost, they will be sent again",
-                len(ids) - n,
-                len(ids),
-            )
-        m.PUBLISHED.inc(n)
-        return n
-
-    async def _dead_letter(self, event: ClaimedEvent, fence: int, reason: str) -> None:
-        n = await self._retry_store(
-            "mark_dead_lettered",
-            lambda: self.store.mark_dead_lettered(event.id, fence, reason),
-            event,
-        )
-        if n:
-            m.DEAD_LETTERED.inc()
-            log.error(
-                "event dead-lettered: %s",
-                reason,
-                extra={"event_id": str(event.event_id), "partition_key": event.partition_key},
-            )
+        published = 0
+        for write in writes:
+            outcome = outcomes.get(write.shard, PersistOutcome.LOST)
+            if outcome is PersistOutcome.OK:
+                published += confirmed.get(write.shard, 0)
+                continue
+            # The shard's state is read again from its lease row: lost (another relay sends
+            # its rows again, same event ids) or to be validated against this database.
+            self._cursors.forget([write.shard])
+            self._valid.discard(write.shard)
+            if outcome is PersistOutcome.LOST:
+                log.warning(
+                    "%d published events of shard %d not persisted: lease lost, they will be"
+                    " sent again",
+                    confirmed.get(write.shard, 0),
+                    write.shard,
+                )
+        for event, reason in dead_events or ():
+            if outcomes.get(event.shard) is PersistOutcome.OK:
+                m.DEAD_LETTERED.inc()
+                log.error(
+                    "event dead-lettered: %s",
+                    reason,
+                    extra={"event_id": str(event.event_id), "partition_key": event.partition_key},
+                )
+        m.PUBLISHED.inc(published)
+        return published
 
     async def _retry_store(
-        self, stage: str, call: Callable[[], Awaitable[int]], event: ClaimedEvent
-    ) -> int | None:
+        self, stage: str, call: Callable[[], Awaitable[_T]], event: ClaimedEvent
+    ) -> _T | None:
         """Retry a write after a successful send until it lands (C04). Gives up only when
         stopping, after the third attempt (the rows are then simply sent again later)."""
         attempt = 0
@@ -469,3 +751,35 @@ class Lane:
                 if self._deps.stop.is_set() and attempt >= 3:
                     return None
                 await asyncio.sleep(self._deps.backoff.delay_s(attempt))
+
+
+def _handled(
+    events: list[ClaimedEvent], confirmed: list[ClaimedEvent], dead: _Dead, on_dead_letter: str
+) -> tuple[set[int], list[tuple[int, int]]]:
+    """Ids of the rows a persist may pass (confirmed, dead-lettered or held) and the held
+    rows ``(id, shard)``: flagged by the claim, or (``"hold"``) behind a row of their key
+    that died in this batch, which ``_publish`` did not send."""
+    handled = {e.id for e in confirmed} | {e.id for e, _ in dead}
+    first_dead: dict[str, int] = {}
+    for event, _ in dead:
+        first_dead[event.partition_key] = min(
+            event.id, first_dead.get(event.partition_key, event.id)
+        )
+    held: list[tuple[int, int]] = []
+    for event in events:
+        if event.id in handled:
+            continue
+        behind = (
+            on_dead_letter == "hold" and first_dead.get(event.partition_key, event.id) < event.id
+        )
+        if event.held or behind:
+            held.append((event.id, event.shard))
+            handled.add(event.id)
+    return handled, held
+
+
+def _per_shard(events: list[ClaimedEvent]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for event in events:
+        counts[event.shard] = counts.get(event.shard, 0) + 1
+    return counts

@@ -6,9 +6,11 @@ Every relay, every few seconds, reads the rows not yet published in the shards I
 whose shards do not drain shows it in its own metrics. Only the relay holding lease row ``-1``
 (the leader, see :mod:`ledgerbox.relay._leases`) also reads the pending count and the age of
 the oldest pending row of the whole table into the gauges; every ``cleanup_interval_s`` it
-deletes rows published more than ``retention_s``
-ago, ``cleanup_batch_size`` rows per ``DELETE`` with ``cleanup_pause_s`` between them. Row
-locks only (``FOR UPDATE SKIP LOCKED``), never a pending or dead-lettered row (C14;
+records a tick (the oldest running transaction now: rows below it were written before now)
+and deletes published rows created more than ``retention_s`` ago, ``cleanup_batch_size`` rows
+per ``DELETE`` with ``cleanup_pause_s`` between them: rows below every shard's cursor and
+below the newest tick older than the retention, found by index whatever the history. Row
+locks only (``FOR UPDATE SKIP LOCKED``), never a pending, held or dead-lettered row (C14;
 docs/relay.md, "Cleanup").
 """
 
@@ -114,9 +116,9 @@ class Maintenance:
                 log.info("cleanup deleted %d published rows", deleted)
 
     async def cleanup_once(self) -> int:
-        """Delete published rows older than ``retention_s`` in bounded batches, then expired
-        member rows (leader only: 0 when this relay is not the leader). Returns the number of
-        outbox rows deleted.
+        """Record a cleanup tick (when due), delete published rows older than ``retention_s``
+        in bounded batches, then expired member rows (leader only: 0 when this relay is not
+        the leader). Returns the number of outbox rows deleted.
 
         Raises
         ------
@@ -127,6 +129,7 @@ class Maintenance:
         cfg = deps.config
         if not deps.is_leader():
             return 0
+        await deps.store.record_tick(cfg.cleanup_interval_s / 2, cfg.retention_s)
         total = 0
         while not deps.stop.is_set() and deps.is_leader():
             n = await deps.store.cleanup_published(cfg.retention_s, cfg.cleanup_batch_size)

@@ -1,15 +1,24 @@
 """An in-memory :class:`~ledgerbox.relay._store.RelayStore` with the rules of the SQL one.
 
-Exported as :class:`ledgerbox.relay.testing.InMemoryRelayStore`. What it keeps, as
-``PgRelayStore``'s statements do: pending rows per shard in id order; a claim takes the given
-shards one after the other and returns the rows sorted by ``(shard, id)``; marks only under
-the fence this member holds the row's shard with; dead-lettered rows and the hold rule; lease
-rows with owner, fence and expiry on an injectable clock (the database's ``now()``); member
-rows; cleanup of published rows past retention; the stats of ``relay status``. The contract
-test ``tests/integration/test_relay_store_contract.py`` runs one scenario against both.
+Exported as :class:`ledgerbox.relay.testing.InMemoryRelayStore`. It models COMMITTED rows
+only: every :meth:`InMemoryRelayStore.add` is one committed transaction and gets the next
+commit sequence number, which stands in for the transaction id; a snapshot is the highest
+sequence number committed (its text form, e.g. ``"17"``), so a range ``(lo, hi]`` holds the
+rows committed after ``lo`` up to ``hi``. What it keeps, as ``PgRelayStore``'s statements
+do: claims of each shard's range in id order (pages of listed ids for open ranges, the
+first rows of the others, shard after shard, sorted by ``(shard, id)``); fenced persists of
+cursors with the batch's dead-lettered and held rows; the hold rule; replay and discard
+(rows stamped with a new sequence number, so they are read again in id order); lease rows
+with owner, fence, cursor, refusal and expiry on an injectable clock (the database's
+``now()``); member rows; cleanup ticks and the cleanup of published rows past retention;
+the stats of ``relay status``. The contract test
+``tests/integration/test_relay_store_contract.py`` runs the same scenarios against both.
 
-Differences, by design: nothing is concurrent (no locks to skip); ``payload`` and
-``headers`` are ``json.dumps`` texts (PostgreSQL's ``jsonb`` prints keys in its own order).
+Differences, by design: nothing is concurrent (no locks to skip, no transaction in flight:
+cases such as C01 need PostgreSQL); there is one cluster (no system identifier, a cursor is
+ahead only if a test sets one by hand with :meth:`InMemoryRelayStore.set_cursor`);
+``payload`` and ``headers`` are ``json.dumps`` texts (PostgreSQL's ``jsonb`` prints keys in
+its own order).
 """
 
 from __future__ import annotations
@@ -19,24 +28,39 @@ import datetime as dt
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
 from ledgerbox.outbox import EventEnvelope, EventStatus, shard_of, timestamp_ms
-from ledgerbox.relay._store import ClaimedEvent, RelayStats, SchemaReport, StoreFactory
+from ledgerbox.relay._store import (
+    Claim,
+    ClaimedEvent,
+    Cursor,
+    CursorWrite,
+    DeadLetter,
+    OpenedShard,
+    PersistOutcome,
+    RebasedShard,
+    RelayStats,
+    SchemaReport,
+    ShardRead,
+    StoreFactory,
+)
 
 __all__ = ["InMemoryRelayStore"]
 
-_PENDING, _PUBLISHED, _DEAD = 0, 1, 2
+_PENDING, _PUBLISHED_V1, _DEAD, _HELD, _DISCARDED = 0, 1, 2, 3, 4
+_DELETABLE = (_PENDING, _PUBLISHED_V1, _DISCARDED)
 _MEMBER_GRACE_S = 3600.0  # as CLEANUP_MEMBERS: expired for more than an hour
+_AHEAD = "cursor ahead of the database (transaction counter behind the cursor's snapshot)"
 
 
 @dataclass(slots=True)
 class _Row:
     event: ClaimedEvent
     created_at: float
+    seq: int
     status: int = _PENDING
-    published_at: float | None = None
     last_error: str | None = None
     attempts: int = 0
 
@@ -46,6 +70,9 @@ class _Lease:
     owner: str | None = None
     fence: int = 0
     expires_at: float | None = None
+    cursor: Cursor = field(default_factory=lambda: Cursor(None))
+    persisted_at: float | None = None
+    refused: str | None = None
 
     def free(self, now: float) -> bool:
         return self.owner is None or (self.expires_at is not None and self.expires_at < now)
@@ -59,9 +86,16 @@ class _Tables:
     shard_count: int
     rows: dict[int, _Row] = field(default_factory=dict)  # insertion order is id order
     next_id: int = 1
+    committed: int = 0  # the highest commit sequence number (the current snapshot)
     leases: dict[int, _Lease] = field(default_factory=dict)
     members: dict[str, float] = field(default_factory=dict)  # relay_id -> expires_at
+    ticks: list[tuple[float, int]] = field(default_factory=list)  # (taken_at, horizon)
     listeners: set[asyncio.Event] = field(default_factory=set)
+
+    def commit(self) -> int:
+        """A new transaction's sequence number (as if it committed now)."""
+        self.committed += 1
+        return self.committed
 
 
 class InMemoryRelayStore:
@@ -83,6 +117,8 @@ class InMemoryRelayStore:
     >>> store.add(writer.event(...))                                         # doctest: +SKIP
     >>> relay = Relay(config, publisher=InMemoryPublisher(), store_factory=store.factory())
     >>> await relay.run_once()                                               # doctest: +SKIP
+    >>> store.pending_count()                                                # doctest: +SKIP
+    0
     """
 
     def __init__(
@@ -108,11 +144,16 @@ class InMemoryRelayStore:
         store = self if member_id in (None, self.member_id) else self.for_member(member_id)
         return lambda role: store
 
+    @property
+    def epoch(self) -> int:
+        """Always 1: the "connection" never drops."""
+        return 1
+
     # -- the write side and inspection (what the producer and an operator do) ---------------
 
     def add(self, event: EventEnvelope) -> int:
-        """Commit one outbox row for ``event`` (pending); notifies the listeners. Returns
-        the row id (ids increase in commit order)."""
+        """Commit one outbox row for ``event`` (one transaction); notifies the listeners.
+        Returns the row id (ids increase in commit order)."""
         t = self._t
         row_id, t.next_id = t.next_id, t.next_id + 1
         version = event.aggregate_version
@@ -121,7 +162,7 @@ class InMemoryRelayStore:
             shard=shard_of(event.partition_key, t.shard_count),
             topic=event.topic,
             partition_key=event.partition_key,
-            payload=json.dumps(event.payload),
+            payload=json.dumps(event.payload).encode(),
             headers=json.dumps(event.headers),
             event_id=str(event.event_id),
             idempotency_key=event.idempotency_key,
@@ -133,27 +174,47 @@ class InMemoryRelayStore:
             occurred_at_ms=timestamp_ms(event.occurred_at),
             occurred_at_iso=event.occurred_at.astimezone(dt.UTC).isoformat(),
         )
-        t.rows[row_id] = _Row(claimed, created_at=t.clock())
+        t.rows[row_id] = _Row(claimed, created_at=t.clock(), seq=t.commit())
         for listener in t.listeners:
             listener.set()
         return row_id
 
     def status_of(self, row_id: int) -> EventStatus:
-        """The row's status (``KeyError`` if it was deleted or never written)."""
+        """The row's ``status`` column (``KeyError`` if it was deleted or never written);
+        whether a ``PENDING`` row is published is :meth:`is_published`."""
         return EventStatus(self._t.rows[row_id].status)
+
+    def is_published(self, row_id: int) -> bool:
+        """True once its shard's persisted cursor passed the row (it was confirmed by Kafka,
+        or dead-lettered, held or discarded: see :meth:`status_of`)."""
+        row = self._t.rows[row_id]
+        return row.status == _PUBLISHED_V1 or _passed(self._lease(row.event.shard), row)
+
+    def pending_count(self) -> int:
+        """Rows not yet published (``relay status``'s ``pending``)."""
+        return sum(1 for row in self._t.rows.values() if self._pending(row))
 
     def last_error_of(self, row_id: int) -> str | None:
         """The reason a row was dead-lettered, else ``None``."""
         return self._t.rows[row_id].last_error
 
-    def replay(self, row_id: int) -> None:
-        """What an operator does to replay a dead-lettered row: ``status = 0`` again."""
-        self._t.rows[row_id].status = _PENDING
+    def replay(self, row_id: int) -> int:
+        """What an operator does to replay a dead-lettered row (synchronous form of
+        :meth:`replay_dead_lettered`)."""
+        return self._release(row_id, _PENDING)
 
     def lease_of(self, shard: int) -> tuple[str | None, int]:
         """``(owner, fence)`` of a lease row (``KeyError`` before :meth:`ensure_leases`)."""
         lease = self._t.leases[shard]
         return lease.owner, lease.fence
+
+    def cursor_of(self, shard: int) -> Cursor:
+        """The persisted cursor of a shard (``Cursor(None)`` before its first persist)."""
+        return self._lease(shard).cursor
+
+    def set_cursor(self, shard: int, cursor: Cursor) -> None:
+        """Overwrite a shard's persisted cursor (tests: e.g. one ahead of the database)."""
+        self._t.leases.setdefault(shard, _Lease()).cursor = cursor
 
     # -- leases and membership ---------------------------------------------------------------
 
@@ -207,75 +268,162 @@ class InMemoryRelayStore:
     async def leave(self) -> None:
         self._t.members.pop(self.member_id, None)
 
+    # -- cursors -------------------------------------------------------------------------------
+
+    async def open_shards(
+        self, held: Sequence[tuple[int, int]], *, release_held: bool = False
+    ) -> list[OpenedShard]:
+        opened = []
+        for shard, fence in sorted(held):
+            lease = self._t.leases.get(shard)
+            if lease is None or lease.fence != fence or lease.owner != self.member_id:
+                continue
+            if lease.refused is None and self._ahead(lease.cursor.hi or lease.cursor.lo):
+                lease.refused = _AHEAD
+            if lease.refused is not None:
+                opened.append(OpenedShard(shard, fence, None, lease.refused))
+            else:
+                opened.append(OpenedShard(shard, fence, lease.cursor))
+        usable = {o.shard for o in opened if o.cursor is not None}
+        held_rows = [r for r in self._t.rows.values() if r.status == _HELD]
+        if release_held and any(r.event.shard in usable for r in held_rows):
+            stamp = self._t.commit()
+            for row in held_rows:
+                if row.event.shard in usable:
+                    row.status, row.seq = _PENDING, stamp
+        return opened
+
+    async def range_ids(self, reads: Sequence[ShardRead], cap: int) -> dict[int, Sequence[int]]:
+        return {
+            r.shard: [row.event.id for row in self._range(r.shard, r.cursor, None)][:cap]
+            for r in reads
+        }
+
+    async def persist(
+        self,
+        cursors: Sequence[CursorWrite],
+        dead: Sequence[DeadLetter] = (),
+        held: Sequence[tuple[int, int]] = (),
+    ) -> dict[int, PersistOutcome]:
+        t = self._t
+        outcomes: dict[int, PersistOutcome] = {}
+        for write in cursors:
+            lease = t.leases.get(write.shard)
+            if lease is None or lease.fence != write.fence or lease.owner != self.member_id:
+                outcomes[write.shard] = PersistOutcome.LOST
+            elif lease.refused is not None or self._ahead(write.cursor.hi or write.cursor.lo):
+                outcomes[write.shard] = PersistOutcome.RECHECK
+            else:
+                lease.cursor, lease.persisted_at = write.cursor, t.clock()
+                outcomes[write.shard] = PersistOutcome.OK
+        ok = {s for s, o in outcomes.items() if o is PersistOutcome.OK}
+        for letter in dead:
+            row = t.rows.get(letter.id)
+            if row is not None and row.status == _PENDING and row.event.shard in ok:
+                row.status, row.last_error = _DEAD, letter.error[:2000]
+                row.attempts += 1
+        stamp: int | None = None
+        for row_id, _shard in held:
+            row = t.rows.get(row_id)
+            if row is None or row.status != _PENDING or row.event.shard not in ok:
+                continue
+            if self._blocked(row):
+                row.status = _HELD
+            else:  # its dead row was replayed or discarded meanwhile: read it again
+                stamp = stamp or t.commit()
+                row.seq = stamp
+        return outcomes
+
     # -- the hot path ----------------------------------------------------------------------
 
-    async def claim_batch(
-        self,
-        shards: Sequence[int],
-        limit: int,
-        *,
-        hold: bool,
-        exclude: Sequence[int] = (),
-    ) -> list[ClaimedEvent]:
-        excluded = set(exclude)
-        dead_first: dict[str, int] = {}  # partition key -> lowest dead-lettered id
-        for row_id, row in self._t.rows.items():
-            if row.status == _DEAD:
-                dead_first.setdefault(row.event.partition_key, row_id)
+    async def claim_batch(self, reads: Sequence[ShardRead], limit: int, *, hold: bool) -> Claim:
+        snapshot = self._t.committed
+        ahead = [r.shard for r in reads if self._ahead(r.cursor.hi or r.cursor.lo)]
         claimed: list[ClaimedEvent] = []
-        for shard in shards:
-            for row_id, row in self._t.rows.items():
-                if len(claimed) >= limit:
+        pages = [r for r in reads if r.ids is not None and r.shard not in ahead]
+        for read in pages:
+            wanted = set(read.ids or ())
+            claimed += [
+                self._claimed(row, hold)
+                for row in self._range(read.shard, read.cursor, None)
+                if row.event.id in wanted
+            ]
+        room = limit - sum(len(r.ids or ()) for r in pages)
+        for read in reads:
+            if read.ids is not None or read.shard in ahead:
+                continue
+            for row in self._range(read.shard, read.cursor, snapshot):
+                if room <= 0:
                     break
-                event = row.event
-                if event.shard != shard or row.status != _PENDING or row_id in excluded:
-                    continue
-                if hold and dead_first.get(event.partition_key, row_id) < row_id:
-                    continue
-                claimed.append(event)
-        return sorted(claimed, key=lambda e: (e.shard, e.id))
+                claimed.append(self._claimed(row, hold))
+                room -= 1
+        claimed.sort(key=lambda e: (e.shard, e.id))
+        return Claim(claimed, str(snapshot), ahead)
 
-    async def mark_published(self, ids: Sequence[int], fences: Sequence[tuple[int, int]]) -> int:
-        held = self._held_shards(fences)
-        now = self._t.clock()
-        marked = 0
-        for row_id in sorted(set(ids)):
-            row = self._t.rows.get(row_id)
-            if row is not None and row.status == _PENDING and row.event.shard in held:
-                row.status, row.published_at, row.attempts = _PUBLISHED, now, row.attempts + 1
-                marked += 1
-        return marked
+    def _range(self, shard: int, cursor: Cursor, snapshot: int | None) -> list[_Row]:
+        lo = _seq(cursor.lo)
+        hi = _seq(cursor.hi) if cursor.hi is not None else snapshot
+        assert hi is not None
+        return [
+            row
+            for row_id, row in self._t.rows.items()
+            if row.event.shard == shard
+            and row.status == _PENDING
+            and row_id > cursor.after_id
+            and lo < row.seq <= hi
+        ]
 
-    async def mark_dead_lettered(self, event_id: int, shard_fence: int, error: str) -> int:
-        row = self._t.rows.get(event_id)
-        if row is None or row.status != _PENDING:
-            return 0
-        if row.event.shard not in self._held_shards([(row.event.shard, shard_fence)]):
-            return 0
-        row.status, row.last_error, row.attempts = _DEAD, error[:2000], row.attempts + 1
-        return 1
+    def _claimed(self, row: _Row, hold: bool) -> ClaimedEvent:
+        if hold and self._blocked(row):
+            return _with_held(row.event)
+        return row.event
 
-    def _held_shards(self, fences: Sequence[tuple[int, int]]) -> set[int]:
-        leases = self._t.leases
-        return {
-            s
-            for s, f in fences
-            if s in leases and leases[s].fence == f and leases[s].owner == self.member_id
-        }
+    def _blocked(self, row: _Row) -> bool:
+        key, row_id = row.event.partition_key, row.event.id
+        return any(
+            r.status == _DEAD and r.event.partition_key == key and r.event.id < row_id
+            for r in self._t.rows.values()
+        )
+
+    def _ahead(self, snapshot: str | None) -> bool:
+        return snapshot is not None and _seq(snapshot) > self._t.committed
+
+    def _lease(self, shard: int) -> _Lease:
+        return self._t.leases.get(shard) or _Lease()
+
+    def _pending(self, row: _Row) -> bool:
+        return row.status == _PENDING and not _passed(self._lease(row.event.shard), row)
 
     # -- maintenance -------------------------------------------------------------------------
 
+    async def record_tick(self, min_gap_s: float, retention_s: float) -> bool:
+        t, now = self._t, self._t.clock()
+        recorded = False
+        if not any(taken > now - min_gap_s for taken, _ in t.ticks):
+            t.ticks.append((now, t.committed + 1))
+            recorded = True
+        usable = [taken for taken, _ in t.ticks if taken <= now - retention_s]
+        if usable:
+            t.ticks = [(taken, h) for taken, h in t.ticks if taken >= max(usable)]
+        return recorded
+
     async def cleanup_published(self, retention_s: float, limit: int) -> int:
-        cutoff = self._t.clock() - retention_s
+        t, now = self._t, self._t.clock()
+        cutoff = now - retention_s
+        horizons = [h for taken, h in t.ticks if taken <= cutoff]
+        horizon = horizons[-1] if horizons else 0
         old = [
             row_id
-            for row_id, row in self._t.rows.items()
-            if row.status == _PUBLISHED
-            and row.published_at is not None
-            and row.published_at < cutoff
+            for row_id, row in t.rows.items()
+            if row.status in _DELETABLE
+            and row.created_at < cutoff
+            and row.seq < horizon
+            and row.event.shard in t.leases
+            and t.leases[row.event.shard].cursor.lo is not None
+            and row.seq <= _seq(t.leases[row.event.shard].cursor.lo)
         ][:limit]
         for row_id in old:
-            del self._t.rows[row_id]
+            del t.rows[row_id]
         return len(old)
 
     async def cleanup_members(self) -> int:
@@ -288,33 +436,101 @@ class InMemoryRelayStore:
     async def stats(self, shard_count: int) -> RelayStats:
         t, now = self._t, self._t.clock()
         rows = list(t.rows.values())
-        heads: dict[int, float] = {}  # shard -> created_at of its lowest pending id
-        for row in rows:
-            if row.status == _PENDING and 0 <= row.event.shard < shard_count:
-                heads.setdefault(row.event.shard, row.created_at)
+        pending = [r for r in rows if 0 <= r.event.shard < shard_count and self._pending(r)]
         return RelayStats(
-            pending=sum(1 for r in rows if r.status == _PENDING),
+            pending=len(pending),
             dead_lettered=sum(1 for r in rows if r.status == _DEAD),
-            oldest_pending_age_s=now - min(heads.values()) if heads else None,
+            oldest_pending_age_s=now - min(r.created_at for r in pending) if pending else None,
             owners=[
                 (s, lease.owner, lease.fence, lease.owner is not None and _live(lease, now))
                 for s, lease in sorted(t.leases.items())
             ],
+            held=sum(1 for r in rows if r.status == _HELD),
+            refused=[(s, lease.refused) for s, lease in sorted(t.leases.items()) if lease.refused],
         )
 
     async def owned_stats(self, shards: Sequence[int]) -> tuple[int, float | None]:
         t, now, wanted = self._t, self._t.clock(), set(shards)
-        waiting = [r for r in t.rows.values() if r.status == _PENDING and r.event.shard in wanted]
+        waiting = [r for r in t.rows.values() if r.event.shard in wanted and self._pending(r)]
         oldest = min((r.created_at for r in waiting), default=None)
         return len(waiting), None if oldest is None else now - oldest
 
     async def schema_report(self) -> SchemaReport:
         # Memory has every table and column and grants everything.
-        topics = sorted({r.event.topic for r in self._t.rows.values() if r.status == _PENDING})
+        topics = sorted({r.event.topic for r in self._t.rows.values() if self._pending(r)})
         return SchemaReport([], [], None, [], False, topics[:100])
+
+    async def refused_shards(self) -> list[tuple[int, str]]:
+        return [
+            (s, lease.refused or _AHEAD)
+            for s, lease in sorted(self._t.leases.items())
+            if s >= 0
+            and (lease.refused is not None or self._ahead(lease.cursor.hi or lease.cursor.lo))
+        ]
 
     async def ping(self) -> None:
         return None
+
+    # -- operations ----------------------------------------------------------------------------
+
+    async def replay_dead_lettered(self, row_id: int) -> int:
+        return self._release(row_id, _PENDING)
+
+    async def discard_dead_lettered(self, row_id: int) -> int:
+        return self._release(row_id, _DISCARDED)
+
+    def _release(self, row_id: int, status: int) -> int:
+        t = self._t
+        dead = t.rows.get(row_id)
+        if dead is None or dead.status != _DEAD:
+            return 0
+        key, lease = dead.event.partition_key, self._lease(dead.event.shard)
+        later_dead = [
+            r.event.id
+            for r in t.rows.values()
+            if r.status == _DEAD and r.event.partition_key == key and r.event.id > row_id
+        ]
+        until = min(later_dead) if later_dead else None
+        stamp = t.commit()
+        dead.status = status
+        if status == _PENDING:
+            dead.seq = stamp
+        changed = 1
+        for row in t.rows.values():
+            event = row.event
+            if event.partition_key != key or event.id <= row_id:
+                continue
+            if until is not None and event.id >= until:
+                continue
+            if row.status == _HELD or (row.status == _PENDING and not _passed(lease, row)):
+                row.status, row.seq = _PENDING, stamp
+                changed += 1
+        return changed
+
+    async def rebase(self, margin_s: float, *, dry_run: bool) -> list[RebasedShard]:
+        t = self._t
+        await self.ensure_leases(t.shard_count)
+        done = []
+        for shard in range(t.shard_count):
+            lease = t.leases[shard]
+            since = None if lease.persisted_at is None else lease.persisted_at - margin_s
+            again = [
+                r
+                for r in t.rows.values()
+                if r.event.shard == shard
+                and r.status == _PENDING
+                and (not _passed(lease, r) or (since is not None and r.created_at > since))
+            ]
+            if not dry_run:
+                stamp = t.commit()
+                for row in again:
+                    row.seq = stamp
+                lease.cursor = Cursor(str(stamp - 1))
+                lease.fence += 1
+                lease.owner = lease.expires_at = lease.refused = None
+                lease.persisted_at = t.clock()
+            done.append(RebasedShard(shard, len(again), 0))
+        return done
 
     # -- wake-up ---------------------------------------------------------------------------
 
@@ -335,6 +551,22 @@ class InMemoryRelayStore:
 
     def __repr__(self) -> str:
         return f"InMemoryRelayStore(member_id={self.member_id!r}, rows={len(self._t.rows)})"
+
+
+def _seq(snapshot: str | None) -> int:
+    return 0 if snapshot is None else int(snapshot)
+
+
+def _passed(lease: _Lease, row: _Row) -> bool:
+    """The lease's cursor passed the row (as ``_PENDING_ROWS`` decides)."""
+    cursor = lease.cursor
+    if row.seq <= _seq(cursor.lo):
+        return True
+    return cursor.hi is not None and row.seq <= _seq(cursor.hi) and row.event.id <= cursor.after_id
+
+
+def _with_held(event: ClaimedEvent) -> ClaimedEvent:
+    return replace(event, held=True)
 
 
 def _live(lease: _Lease, now: float) -> bool:

@@ -14,6 +14,7 @@ __all__ = [
     "PENDING_EVENTS",
     "PUBLISHED",
     "PUBLISH_BATCH_DURATION",
+    "REFUSED_SHARDS",
     "RESTAMPED",
     "RETRIES",
     "UP",
@@ -25,15 +26,17 @@ PENDING_EVENTS = Gauge(
 OLDEST_PENDING_AGE = Gauge(
     "ledgerbox_relay_oldest_pending_age_seconds", "Age of the oldest pending outbox row"
 )
-PUBLISHED = Counter("ledgerbox_relay_published_total", "Events confirmed by Kafka and marked")
+PUBLISHED = Counter(
+    "ledgerbox_relay_published_total", "Events confirmed by Kafka whose shard cursor was persisted"
+)
 PUBLISH_BATCH_DURATION = Histogram(
     "ledgerbox_relay_publish_batch_duration_seconds",
-    "Claim + publish + mark of one batch",
+    "Claim + publish + persist of one batch",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
 RETRIES = Counter(
     "ledgerbox_relay_retries_total",
-    "Retries after a failure, by stage (publish, mark, db, listen, producer)",
+    "Retries after a failure, by stage (publish, mark = persist, db, listen, producer)",
     ["stage"],
 )
 DEAD_LETTERED = Counter(
@@ -60,4 +63,8 @@ RESTAMPED = Counter(
     "ledgerbox_relay_restamped_total",
     "Records re-sent with the relay's send time as timestamp because the broker refused the "
     "event time (log.message.timestamp.{before,after}.max.ms); ce_time keeps the event time",
+)
+REFUSED_SHARDS = Gauge(
+    "ledgerbox_relay_refused_shards",
+    "Shards this relay refuses: cursor ahead of the database (run `ledgerbox relay rebase`)",
 )

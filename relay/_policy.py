@@ -21,6 +21,7 @@ __all__ = [
     "fair_share",
     "held_behind_dead_letter",
     "publish_fault",
+    "shard_ranges",
     "timestamp_refused",
     "unreachable",
 ]
@@ -67,6 +68,23 @@ def timestamp_refused(exc: BaseException) -> bool:
     """True if the broker refused the record for its timestamp alone (INVALID_TIMESTAMP,
     error code 32: ``log.message.timestamp.after.max.ms`` / ``before.max.ms``)."""
     return isinstance(exc, BrokerError) and exc.kind == "InvalidTimestampError"
+
+
+def shard_ranges(values: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (for messages about many shards)."""
+    parts: list[str] = []
+    ordered = sorted(values)
+    if not ordered:
+        return ""
+    start = prev = ordered[0]
+    for value in [*ordered[1:], None]:
+        if value is not None and value == prev + 1:
+            prev = value
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if value is not None:
+            start = prev = value
+    return ",".join(parts)
 
 
 def fair_share(shard_count: int, live_members: int) -> int:

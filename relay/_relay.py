@@ -1,39 +1,46 @@
 """The relay daemon: publish committed outbox events to Kafka, in per-key commit order.
 
-Read design: status marking inside leased shards
-------------------------------------------------
-Every outbox row carries ``shard = crc32(partition_key) % shard_count``. A relay publishes
-only the shards it holds a lease on, one owner per shard at a time
-(:mod:`ledgerbox.relay._leases`: heartbeat, fair share, fences, local deadlines, the
-maintenance leader). Inside its shards it claims pending rows (``status = 0``) per shard in
-id order, sends them, awaits the confirmations and marks them published under the fences it
-claimed them with (:mod:`ledgerbox.relay._lane`: one claim -> publish -> mark pipeline with
-prefetch, background mark, dead-lettering and isolation of refused records). No cursor, no
-"last id seen": an event whose transaction commits late (C01) is simply pending and the next
-claim finds it.
+Read design: a transaction-snapshot cursor per leased shard
+----------------------------------------------------------
+Every outbox row carries ``shard = crc32(partition_key) % shard_count`` and the id of the
+transaction that wrote it (``txid``). A relay publishes only the shards it holds a lease on,
+one owner per shard at a time (:mod:`ledgerbox.relay._leases`: heartbeat, fair share,
+fences, local deadlines, the maintenance leader). Each shard's cursor, kept in its lease
+row, is a pair of snapshots and a last id (PgQ's snapshot-diff cursor): a claim returns the
+rows whose transaction committed after the cursor's ``lo`` snapshot and up to its ``hi``
+(the claim's own snapshot), per shard in id order, never a row of a transaction still in
+flight and never skipping one that commits late (C01: it is in a later range). The lanes
+(:mod:`ledgerbox.relay._lane`: claim -> publish -> persist pipelines with prefetch and
+background persist, dead-lettering and isolation of refused records) keep the cursor of the
+next claim in memory and persist it, once per batch and under the fence, after Kafka
+confirmed what it passes. Nothing is written per published row.
 
 Lanes: the batches run in up to ``config.lanes`` concurrent pipelines, lane ``i`` claiming
 the usable shards with ``shard % lanes == i``; a shard maps to exactly one lane, so rows of
 one shard (and key) are handed to the one shared producer (:mod:`ledgerbox.relay._producer`)
 by one pipeline, one batch after the other, in id order (G3). The count follows the load
 (:mod:`ledgerbox.relay._scaler`) and changes only between batches, after every running
-lane's batch is confirmed and marked (:meth:`Relay._run_lanes`). The leader cleans up
+lane's batch is confirmed and persisted (:meth:`Relay._run_lanes`). The leader cleans up
 published rows (:mod:`ledgerbox.relay._maintenance`); ``LISTEN`` wakes the lanes
-(:mod:`ledgerbox.relay._wakeup`). This module wires them: :class:`Relay`.
+(:mod:`ledgerbox.relay._wakeup`), whose claims are paced (:mod:`ledgerbox.relay._pacing`).
+This module wires them: :class:`Relay`.
 
-Why not a snapshot (xid) cursor: status marking is simpler, has no "cursor ahead of the
-database" failure mode after a restore from a dump, and its per-row write is batched into
-one UPDATE per batch. Its cost: one row update per event (and the cleanup of those rows).
+Why not watermill's cursor (``txid < xmin(now)``): it publishes nothing while any older
+transaction holding an id is open, and orders by transaction id, which is not commit order.
+The snapshot cursor's failure mode, a cursor ahead of the database after a restore into
+another cluster, is guarded: the relay refuses such a shard loudly (sticky, ``relay check``
+names it) until ``ledgerbox relay rebase`` re-seats it (docs/relay.md, "Restore and
+rebase").
 
 Failures: Kafka errors are classified by class (``relay._policy``). Transient ones leave the
-rows pending (resent with the same key and event id) and back off exponentially with jitter
-(the producer is recreated after repeated failures); permanent ones dead-letter the row
-(``status = 2``, ``last_error``). With ``on_dead_letter="hold"`` later events of that
-partition key wait (the claim skips them) until an operator replays or discards the dead
-one; with ``"skip"`` they are published. A failed mark after a successful send is retried
-with backoff; if the process dies meanwhile the rows are sent again (duplicates carry the
-same event id, consumers drop them, G4). Database errors back off and reconnect; the daemon
-never exits on them.
+rows to be read again (resent with the same key and event id) and back off exponentially
+with jitter (the producer is recreated after repeated failures); permanent ones dead-letter
+the row (``status = 2``, ``last_error``). With ``on_dead_letter="hold"`` later events of
+that partition key are held (``status = 3``) until an operator replays or discards the dead
+one, then they follow it in id order; with ``"skip"`` they are published. A failed persist
+after a successful send is retried with backoff; if the process dies meanwhile the rows are
+sent again (duplicates carry the same event id, consumers drop them, G4). Database errors
+back off and reconnect; the daemon never exits on them.
 
 Known limits: a record already handed to the producer when its lease is lost can still land
 after the new owner's copy (bounded by ``request_timeout_ms``); if a send of an earlier event
@@ -54,6 +61,7 @@ from collections.abc import Callable
 from ledgerbox._core.backoff import Backoff
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._config import RelayConfig
+from ledgerbox.relay._cursor import CursorBook
 from ledgerbox.relay._health import HealthReport, RelayHealth
 from ledgerbox.relay._hooks import RelayHooks
 from ledgerbox.relay._lane import Lane, LaneDeps
@@ -82,8 +90,9 @@ class Relay:
         The broker client; default :class:`~ledgerbox.relay.KafkaPublisher` built from
         ``config``. Tests pass :class:`ledgerbox.relay.testing.InMemoryPublisher`.
     store_factory : Callable[[str], RelayStore] | None
-        Builds the store of each role: ``"main"``/``"mark"`` (one lane) or ``"main<i>"``/
-        ``"mark<i>"`` (lane ``i`` of several), ``"lease"``, ``"maint"``, ``"listen"``.
+        Builds the store of each role: ``"main"``/``"mark"`` (claims and persists of one
+        lane) or ``"main<i>"``/``"mark<i>"`` (lane ``i`` of several), ``"lease"``,
+        ``"maint"``, ``"listen"``.
         Default: a PostgreSQL store per role (own connection). Tests pass
         ``InMemoryRelayStore(...).factory(...)`` or a wrapper that injects faults.
     hooks : RelayHooks | None
@@ -174,6 +183,8 @@ class Relay:
             hooks=hooks,
             on_claimed=self._observe_claim,
             health=self._health,
+            cursors=CursorBook(),
+            clock=clock,
         )
         one = config.lanes == 1
         self._lanes = [
@@ -200,8 +211,8 @@ class Relay:
         try:
             await self._run_lanes()
         except asyncio.CancelledError:
-            # Cancelled (not stopped): abandon a mark still retrying; its rows stay pending
-            # and are sent again later with the same event ids.
+            # Cancelled (not stopped): abandon a persist still retrying; its rows are sent
+            # again later with the same event ids.
             for lane in self._lanes:
                 lane.cancel()
             raise
@@ -214,14 +225,14 @@ class Relay:
             await self.aclose()
 
     async def run_once(self) -> int:
-        """One cycle: heartbeat (membership and leases), then one claim/publish/mark per
+        """One cycle: heartbeat (membership and leases), then one claim/publish/persist per
         lane (the lanes one after the other, all ``config.lanes`` of them).
 
         Returns
         -------
         int
-            Number of events confirmed by Kafka and marked published in this cycle (all
-            lanes).
+            Number of events confirmed by Kafka whose cursors were persisted in this cycle
+            (all lanes).
 
         Raises
         ------
@@ -247,7 +258,7 @@ class Relay:
 
     async def aclose(self) -> None:
         """Release leases and the member row, flush and stop the producer, disconnect."""
-        self._stop.set()  # a mark still retrying gives up after its third attempt
+        self._stop.set()  # a persist still retrying gives up after its third attempt
         for lane in self._lanes:
             with contextlib.suppress(asyncio.CancelledError):
                 await lane.finish()
@@ -287,7 +298,8 @@ class Relay:
 
     async def cleanup_once(self) -> int:
         """Delete published rows older than ``retention_s`` in bounded batches (leader only;
-        returns 0 when this relay is not the leader). Returns the number deleted.
+        returns 0 when this relay is not the leader), after recording a cleanup tick when
+        one is due. Returns the number deleted.
 
         Raises
         ------
@@ -317,7 +329,7 @@ class Relay:
 
     async def _run_lanes(self) -> None:
         """Run the active lanes until stopped. When the load asks for another lane count, the
-        lanes finish their batch (confirmed, marked, prefetch dropped) and stop, then the new
+        lanes finish their batch (confirmed, persisted, prefetch dropped) and stop, then the new
         count starts: a shard moves to another lane only between batches, never with a batch
         in flight (G3). The first unexpected error stops the other lanes and is raised."""
         while not self._stop.is_set():

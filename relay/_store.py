@@ -1,17 +1,26 @@
 """The relay's storage seam: what the relay needs from its database, as a Protocol.
 
 :class:`RelayStore` lists exactly the calls the relay makes (leases and membership, the hot
-path, maintenance, the wake-up, health). Two implementations keep the same semantics:
+path, maintenance, the wake-up, health) and the operator's calls on the same tables
+(replay, discard, rebase). Two implementations keep the same semantics:
 
 * :class:`ledgerbox.relay._pgstore.PgRelayStore`: PostgreSQL through psycopg 3, the ONLY
   module of the relay that runs SQL (the daemon's store);
-* :class:`ledgerbox.relay.testing.InMemoryRelayStore`: the same rules in memory (pending rows
-  per shard in id order, fenced marks, dead-lettered rows and the hold rule, leases with fences
-  and expiry on an injectable clock), for pure-logic tests of the relay without PostgreSQL.
+* :class:`ledgerbox.relay.testing.InMemoryRelayStore`: the same rules in memory (committed
+  rows with a commit sequence standing in for transaction ids, per-shard cursors in lease
+  rows, fenced persists, dead-lettered and held rows, leases with fences and expiry on an
+  injectable clock), for pure-logic tests of the relay without PostgreSQL.
 
-A :class:`~ledgerbox.relay.Relay` gets every store it uses (each lane's claim and mark store,
-leases, maintenance, LISTEN) from ONE :data:`StoreFactory` called with the store's role; the
-CLI's ``check`` and ``status`` do the same. Every method raises
+Read design (docs/relay.md, "Read design"): every outbox row carries the id of the
+transaction that wrote it (``txid``); a shard's cursor (:class:`Cursor`, kept in its lease
+row) names the snapshot up to which everything is published. A claim returns the rows whose
+transaction committed after the cursor's ``lo`` snapshot and before its ``hi`` snapshot
+(``hi`` = the claim's own snapshot when the range is closed), in id order per shard; nothing
+is written per row.
+
+A :class:`~ledgerbox.relay.Relay` gets every store it uses (each lane's claim and persist
+store, leases, maintenance, LISTEN) from ONE :data:`StoreFactory` called with the store's
+role; the CLI's ``check``, ``status`` and ``rebase`` do the same. Every method raises
 :class:`ledgerbox.relay.StoreError` (never a driver error) when the database call fails.
 
 Times are the database's (``now()``): clocks of relay machines are never compared.
@@ -19,25 +28,43 @@ Times are the database's (``now()``): clocks of relay machines are never compare
 
 from __future__ import annotations
 
+import enum
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["ClaimedEvent", "RelayStats", "RelayStore", "SchemaReport", "StoreFactory"]
+__all__ = [
+    "Claim",
+    "ClaimedEvent",
+    "Cursor",
+    "CursorWrite",
+    "DeadLetter",
+    "OpenedShard",
+    "PersistOutcome",
+    "RebasedShard",
+    "RelayStats",
+    "RelayStore",
+    "SchemaReport",
+    "ShardRead",
+    "StoreFactory",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class ClaimedEvent:
-    """One pending outbox row claimed for publication, its fields as the Kafka record needs
-    them: ``payload`` and ``headers`` are the JSON texts as stored, ``event_id`` and
+    """One committed outbox row claimed for publication, its fields as the Kafka record needs
+    them: ``payload`` is the JSON as stored, UTF-8 (the record's value as is), ``headers`` the
+    JSON text of the extra headers, ``event_id`` and
     ``aggregate_version`` their text forms, ``occurred_at_ms`` the event time in ms since the
-    epoch and ``occurred_at_iso`` its ISO 8601 form (``datetime.isoformat`` of a UTC time)."""
+    epoch and ``occurred_at_iso`` its ISO 8601 form (``datetime.isoformat`` of a UTC time).
+    ``held``: with ``hold=True`` an earlier row of the same partition key is dead-lettered,
+    so this row must not be sent (it is held in the persist that passes it)."""
 
     id: int
     shard: int
     topic: str
     partition_key: str
-    payload: str
+    payload: bytes
     headers: str
     event_id: str
     idempotency_key: str
@@ -48,6 +75,133 @@ class ClaimedEvent:
     aggregate_version: str | None
     occurred_at_ms: int
     occurred_at_iso: str
+    held: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Cursor:
+    """How far one shard is published: a range of committed transactions and a position in it.
+
+    Snapshots are opaque texts of the store (PostgreSQL's ``pg_snapshot`` text form,
+    ``xmin:xmax:xip,...``); the relay never looks inside them.
+
+    Attributes
+    ----------
+    lo : str | None
+        Every row whose transaction is visible in this snapshot is published (or
+        dead-lettered, held, discarded). ``None``: nothing is published yet (a new lease
+        row, or a table migrated from schema v1): the first range holds every committed row.
+    hi : str | None
+        ``None``: the range is closed; the next claim reads up to its own snapshot. Else the
+        open range ``lo .. hi`` is being read in id order (it held more rows than a batch).
+    after_id : int
+        In an open range, the rows with ``id <= after_id`` are published; 0 otherwise.
+        Invariant: ``after_id > 0`` only with ``hi`` set.
+    """
+
+    lo: str | None
+    hi: str | None = None
+    after_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRead:
+    """What one claim reads of one shard.
+
+    ``ids``: ``None`` reads the range from the cursor in id order (top rows only); a sequence
+    reads exactly these ids of the cursor's OPEN range (id-list paging of a large range:
+    :meth:`RelayStore.range_ids` listed them), each re-checked against the range.
+    """
+
+    shard: int
+    cursor: Cursor
+    ids: Sequence[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Result of :meth:`RelayStore.claim_batch`.
+
+    Attributes
+    ----------
+    events : list[ClaimedEvent]
+        Sorted by ``(shard, id)``.
+    snapshot : str
+        The claim's snapshot: the ``hi`` of every shard whose range was closed when the claim
+        began.
+    ahead : list[int]
+        Shards whose cursor is ahead of the database (restored from a dump into a cluster
+        whose transaction counter is behind): nothing of them was read.
+    """
+
+    events: list[ClaimedEvent]
+    snapshot: str
+    ahead: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class CursorWrite:
+    """One shard's cursor to persist under the fence the shard is held with."""
+
+    shard: int
+    fence: int
+    cursor: Cursor
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A row Kafka refused for good: ``status = 2`` with the reason (first 2,000 chars)."""
+
+    id: int
+    shard: int
+    error: str
+
+
+class PersistOutcome(enum.Enum):
+    """What :meth:`RelayStore.persist` did with one shard's cursor."""
+
+    #: Written, with the shard's dead-lettered and held rows.
+    OK = "ok"
+    #: Not written: the shard is no longer held under that fence (its rows are sent again by
+    #: the new owner, with the same event ids).
+    LOST = "lost"
+    #: Not written: the database is not the one the cursor was read from (another cluster,
+    #: a counter behind the cursor) or the shard is refused; the relay reads it again with
+    #: :meth:`RelayStore.open_shards`, which validates it.
+    RECHECK = "recheck"
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedShard:
+    """A held shard's cursor as :meth:`RelayStore.open_shards` validated it.
+
+    ``cursor`` is ``None`` exactly when ``refused`` names why the shard is refused (sticky
+    until ``ledgerbox relay rebase``).
+    """
+
+    shard: int
+    fence: int
+    cursor: Cursor | None
+    refused: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RebasedShard:
+    """What ``relay rebase`` did (or, with ``dry_run``, would do) to one shard.
+
+    Attributes
+    ----------
+    shard : int
+    restamped : int
+        Rows stamped with the rebase transaction's id: published again, in id order.
+    frozen : int
+        Rows stamped as visible to every snapshot (already published; their old transaction
+        ids would otherwise fall into future ranges).
+    """
+
+    shard: int
+    restamped: int
+    frozen: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,18 +210,27 @@ class RelayStats:
 
     Attributes
     ----------
-    pending, dead_lettered : int
-        Rows with ``status = 0`` and ``status = 2``.
+    pending : int
+        Committed rows the shards' persisted cursors have not passed (not dead-lettered,
+        held or discarded).
+    dead_lettered : int
+        Rows with ``status = 2``.
     oldest_pending_age_s : float | None
         Age of the oldest pending row in seconds (its ``created_at``); ``None``: none pending.
     owners : list[tuple[int, str | None, int, bool]]
         ``(shard, owner, fence, live)`` of every lease row, by shard (``-1``: the leader).
+    held : int
+        Rows with ``status = 3`` (waiting behind a dead-lettered row of their key).
+    refused : list[tuple[int, str]]
+        ``(shard, reason)`` of the shards the relay refuses (cursor ahead of the database).
     """
 
     pending: int
     dead_lettered: int
     oldest_pending_age_s: float | None
     owners: list[tuple[int, str | None, int, bool]]
+    held: int = 0
+    refused: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +265,17 @@ class SchemaReport:
 class RelayStore(Protocol):
     """The relay's database calls, one method per query, for one member (``relay_id``).
 
-    Leases are rows ``(shard, owner, fence, expires_at)``; a write "under a fence" happens
-    only while this member owns the shard with that fence. Every method raises
-    :class:`ledgerbox.relay.StoreError` when the call fails; the relay retries.
+    Leases are rows ``(shard, owner, fence, expires_at)`` that also keep the shard's
+    :class:`Cursor`; a write "under a fence" happens only while this member owns the shard
+    with that fence. Every method raises :class:`ledgerbox.relay.StoreError` when the call
+    fails; the relay retries.
     """
+
+    @property
+    def epoch(self) -> int:
+        """Counts the connections opened so far. When it changes between reading cursors and
+        using them, the database may have crashed or failed over: the relay discards what
+        it holds in memory and reads the cursors again (:meth:`open_shards`)."""
 
     # -- leases and membership ---------------------------------------------------------------
 
@@ -135,45 +305,73 @@ class RelayStore(Protocol):
     async def leave(self) -> None:
         """Delete this relay's member row."""
 
-    # -- the hot path ------------------------------------------------------------------------
+    # -- cursors ---------------------------------------------------------------------------
 
-    async def claim_batch(
-        self,
-        shards: Sequence[int],
-        limit: int,
-        *,
-        hold: bool,
-        exclude: Sequence[int] = (),
-    ) -> list[ClaimedEvent]:
-        """Up to ``limit`` pending rows of ``shards`` (taken shard after shard in the given
-        order, each shard's rows in id order), returned sorted by ``(shard, id)``.
+    async def open_shards(
+        self, held: Sequence[tuple[int, int]], *, release_held: bool = False
+    ) -> list[OpenedShard]:
+        """The persisted cursors of the shards held under the given ``(shard, fence)``,
+        validated against this database (shards no longer held are left out).
 
-        ``hold``: a row is skipped while an earlier row of its partition key is dead-lettered.
-        ``exclude``: ids already sent whose mark is still running. Nothing is locked: a shard
-        has one owner at a time (lease).
+        ``release_held`` (a relay with ``on_dead_letter="skip"``): the held rows of the
+        opened shards (``status = 3``, left by a relay that held them) are stamped with this
+        transaction's id, so they are read again and published.
+
+        A cursor ahead of the database is refused, and the refusal is recorded in the lease
+        row (sticky until ``relay rebase``): its snapshot is beyond the transaction counter,
+        or, when the database's system identifier differs from the one the cursor was
+        written on (``pg_upgrade``, a restored or copied cluster), the counter is behind the
+        one seen at the last persist or behind a row's transaction id, or a row was written
+        after the last persist with a transaction id the cursor already counts as published
+        (docs/relay.md, "Restore and rebase").
         """
 
-    async def mark_published(self, ids: Sequence[int], fences: Sequence[tuple[int, int]]) -> int:
-        """Mark pending rows published (``status = 1``, ``published_at = now``) in one
-        statement, only where this relay still owns the row's shard under the given
-        ``(shard, fence)``; returns the count."""
+    async def range_ids(self, reads: Sequence[ShardRead], cap: int) -> dict[int, Sequence[int]]:
+        """For each shard of ``reads`` (open ranges), the ids of its range after
+        ``after_id``, in id order, at most ``cap``: the pages of id-list paging."""
 
-    async def mark_dead_lettered(self, event_id: int, shard_fence: int, error: str) -> int:
-        """Dead-letter one pending row (``status = 2``, ``last_error`` = the first 2,000
-        characters of ``error``) if its shard is still owned under ``shard_fence``; returns
-        0 or 1."""
+    async def persist(
+        self,
+        cursors: Sequence[CursorWrite],
+        dead: Sequence[DeadLetter] = (),
+        held: Sequence[tuple[int, int]] = (),
+    ) -> dict[int, PersistOutcome]:
+        """Write the shards' cursors after Kafka confirmed what they pass, with the
+        dead-lettered rows (``status = 2``) and the held rows (``(id, shard)``: ``status =
+        3`` while an earlier row of their key is dead-lettered, else stamped with this
+        transaction's id so they are read again) in ONE transaction, fenced: only shards
+        still owned under the given fences are written, and only on the database the
+        cursors belong to. May commit asynchronously: a lost persist only makes the relay
+        send the same events again (same event ids)."""
+
+    # -- the hot path ----------------------------------------------------------------------
+
+    async def claim_batch(self, reads: Sequence[ShardRead], limit: int, *, hold: bool) -> Claim:
+        """Up to ``limit`` rows of the given shards, taken shard after shard in the given
+        order, each shard's rows those its cursor's range holds after ``after_id``, in id
+        order; returned sorted by ``(shard, id)``. Only rows with ``status = 0``; with
+        ``hold``, a row behind a dead-lettered row of its key comes with ``held = True``.
+        Nothing is locked or written: a shard has one owner at a time (lease)."""
 
     # -- maintenance -------------------------------------------------------------------------
 
+    async def record_tick(self, min_gap_s: float, retention_s: float) -> bool:
+        """Record ``(now, oldest running transaction)`` unless the newest such tick is less
+        than ``min_gap_s`` old, and forget ticks older than the newest one past
+        ``retention_s``; returns whether a tick was recorded. Cleanup uses the ticks to
+        find old rows through the ``(shard, txid)`` index (cost independent of history)."""
+
     async def cleanup_published(self, retention_s: float, limit: int) -> int:
-        """Delete up to ``limit`` rows published more than ``retention_s`` seconds ago (never
-        a pending or dead-lettered row); returns the count."""
+        """Delete up to ``limit`` published rows created more than ``retention_s`` seconds
+        ago: only rows every cursor has passed, committed before a tick older than the
+        retention, never a pending, held or dead-lettered row; returns the count."""
 
     async def cleanup_members(self) -> int:
         """Delete member rows expired for more than an hour; returns the count."""
 
     async def stats(self, shard_count: int) -> RelayStats:
-        """Pending and dead-lettered counts, age of the oldest pending row, lease owners."""
+        """Pending, held and dead-lettered counts, age of the oldest pending row, lease
+        owners, refused shards."""
 
     async def owned_stats(self, shards: Sequence[int]) -> tuple[int, float | None]:
         """``(rows not yet published, age in seconds of the oldest of them)`` in ``shards``
@@ -186,6 +384,30 @@ class RelayStore(Protocol):
     async def ping(self) -> None:
         """One round trip to the database."""
 
+    async def refused_shards(self) -> list[tuple[int, str]]:
+        """``(shard, reason)`` of every shard refused, or whose cursor is ahead of the
+        database now (a restore a relay has not noticed yet); ``relay check`` reports them."""
+
+    # -- operations (an operator, not the daemon) ----------------------------------------------
+
+    async def replay_dead_lettered(self, row_id: int) -> int:
+        """Send a dead-lettered row again: it, the held rows of its key and the rows of its
+        key not yet published (up to the key's next dead-lettered row) are stamped with this
+        transaction's id, so they are read again in id order; returns the rows stamped (0 if
+        the row is not dead-lettered)."""
+
+    async def discard_dead_lettered(self, row_id: int) -> int:
+        """Give up a dead-lettered row (``status = 4``, never sent); the held rows of its key
+        are released as by :meth:`replay_dead_lettered`; returns the rows changed."""
+
+    async def rebase(self, margin_s: float, *, dry_run: bool) -> list[RebasedShard]:
+        """Re-seat every shard's cursor on this database after a restore (relays stopped):
+        per shard, in one transaction, take the snapshot S0 first, stamp with the
+        transaction's id every row the old cursor had not passed or created after its last
+        persist minus ``margin_s`` (sent again: duplicates possible, loss never), stamp the
+        other rows that S0 does not see as visible to every snapshot, set ``lo = S0``, bump
+        the fence, free the lease and clear the refusal. ``dry_run``: count only."""
+
     # -- wake-up ---------------------------------------------------------------------------
 
     def notifications(self) -> AsyncIterator[None]:
@@ -197,6 +419,6 @@ class RelayStore(Protocol):
 
 
 #: Builds the store of one role (``"main"``, ``"main3"``, ``"mark"``, ``"lease"``, ``"maint"``,
-#: ``"listen"``, ``"check"``, ``"status"``); the role names the connection
+#: ``"listen"``, ``"check"``, ``"status"``, ``"rebase"``); the role names the connection
 #: (``application_name = ledgerbox-relay-<role>``).
 StoreFactory = Callable[[str], RelayStore]

@@ -170,6 +170,9 @@ port = $PG_PORT
 listen_addresses = '$HOST'
 unix_socket_directories = '$PG_DIR/run'
 max_connections = 300
+# PREPARED transactions hold a transaction id until COMMIT PREPARED: the relay's tests check
+# that one does not stall other keys (tests/faults/test_relay_cursor.py).
+max_prepared_transactions = 10
 shared_buffers = 256MB
 fsync = on
 logging_collector = off

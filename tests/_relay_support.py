@@ -12,13 +12,26 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from psycopg import sql
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter
 from ledgerbox.relay import RelayConfig
-from ledgerbox.relay._store import ClaimedEvent, RelayStats, RelayStore
+from ledgerbox.relay._pgstore import PENDING_COUNT
+from ledgerbox.relay._store import (
+    Claim,
+    CursorWrite,
+    DeadLetter,
+    OpenedShard,
+    PersistOutcome,
+    RebasedShard,
+    RelayStats,
+    RelayStore,
+    ShardRead,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,16 +65,31 @@ class DelegatingStore:
     async def leave(self) -> None:
         await self.inner.leave()
 
-    async def claim_batch(
-        self, shards: Sequence[int], limit: int, *, hold: bool, exclude: Sequence[int] = ()
-    ) -> list[ClaimedEvent]:
-        return await self.inner.claim_batch(shards, limit, hold=hold, exclude=exclude)
+    @property
+    def epoch(self) -> int:
+        return self.inner.epoch
 
-    async def mark_published(self, ids: Sequence[int], fences: Sequence[tuple[int, int]]) -> int:
-        return await self.inner.mark_published(ids, fences)
+    async def open_shards(
+        self, held: Sequence[tuple[int, int]], *, release_held: bool = False
+    ) -> list[OpenedShard]:
+        return await self.inner.open_shards(held, release_held=release_held)
 
-    async def mark_dead_lettered(self, event_id: int, shard_fence: int, error: str) -> int:
-        return await self.inner.mark_dead_lettered(event_id, shard_fence, error)
+    async def range_ids(self, reads: Sequence[ShardRead], cap: int) -> dict[int, Sequence[int]]:
+        return await self.inner.range_ids(reads, cap)
+
+    async def persist(
+        self,
+        cursors: Sequence[CursorWrite],
+        dead: Sequence[DeadLetter] = (),
+        held: Sequence[tuple[int, int]] = (),
+    ) -> dict[int, PersistOutcome]:
+        return await self.inner.persist(cursors, dead, held)
+
+    async def claim_batch(self, reads: Sequence[ShardRead], limit: int, *, hold: bool) -> Claim:
+        return await self.inner.claim_batch(reads, limit, hold=hold)
+
+    async def record_tick(self, min_gap_s: float, retention_s: float) -> bool:
+        return await self.inner.record_tick(min_gap_s, retention_s)
 
     async def cleanup_published(self, retention_s: float, limit: int) -> int:
         return await self.inner.cleanup_published(retention_s, limit)
@@ -74,6 +102,18 @@ class DelegatingStore:
 
     async def ping(self) -> None:
         await self.inner.ping()
+
+    async def refused_shards(self) -> list[tuple[int, str]]:
+        return await self.inner.refused_shards()
+
+    async def replay_dead_lettered(self, row_id: int) -> int:
+        return await self.inner.replay_dead_lettered(row_id)
+
+    async def discard_dead_lettered(self, row_id: int) -> int:
+        return await self.inner.discard_dead_lettered(row_id)
+
+    async def rebase(self, margin_s: float, *, dry_run: bool) -> list[RebasedShard]:
+        return await self.inner.rebase(margin_s, dry_run=dry_run)
 
     async def notifications(self) -> AsyncIterator[None]:
         async for item in self.inner.notifications():
@@ -125,9 +165,38 @@ def config(database_url: str, kafka: str, **overrides: Any) -> RelayConfig:
     return RelayConfig(**values)
 
 
-def pending_count(engine: Engine) -> int:
+def pending_count(engine: Engine, shard_count: int = 64) -> int:
+    """Committed rows the shards' persisted cursors have not passed (``relay status``'s
+    ``pending``: the store's own query), dead-lettered and held ones not counted."""
+    url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    query = sql.SQL(PENDING_COUNT).format(
+        outbox=sql.Identifier("outbox"),
+        lease=sql.Identifier("outbox_relay_lease"),
+        member=sql.Identifier("outbox_relay_member"),
+        tick=sql.Identifier("outbox_relay_tick"),
+    )
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(query, {"shard_count": shard_count}).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def published_ids(engine: Engine, topic: str) -> list[int]:
+    """Ids of the rows of ``topic`` the persisted cursors passed that are not dead-lettered,
+    held or discarded (published under v2, or marked published under v1)."""
     with engine.connect() as conn:
-        return int(conn.execute(text("SELECT count(*) FROM outbox WHERE status = 0")).scalar_one())
+        return [
+            int(i)
+            for i in conn.execute(
+                text(
+                    "SELECT o.id FROM outbox o LEFT JOIN outbox_relay_lease l ON l.shard = o.shard"
+                    " WHERE o.topic = :t AND (o.status = 1 OR (o.status = 0 AND coalesce("
+                    "pg_visible_in_snapshot(o.txid, l.lo) OR (pg_visible_in_snapshot(o.txid,"
+                    " l.hi) AND o.id <= l.after_id), false))) ORDER BY o.id"
+                ),
+                {"t": topic},
+            ).scalars()
+        ]
 
 
 def reset_relay_tables(engine: Engine) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,7 +15,7 @@ from sqlalchemy.pool import NullPool
 
 from example_services.demo._kafka import consumer_lag
 
-__all__ = ["DrainState", "count", "wait_drained"]
+__all__ = ["DrainState", "count", "pending_events", "wait_drained"]
 
 
 def count(url: str, sql: str) -> int:
@@ -24,6 +26,22 @@ def count(url: str, sql: str) -> int:
             return int(conn.execute(sa.text(sql)).scalar_one())
     finally:
         engine.dispose()
+
+
+def pending_events(url: str) -> int:
+    """Events of ``url``'s outbox the relay has not published yet, as ``ledgerbox relay
+    status`` reports them (whether a row is published is decided by the relay's cursors,
+    not by the row: docs/relay.md)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "ledgerbox.relay", "status", "--database-url", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    first = out.splitlines()[0]
+    assert first.startswith("pending: "), out
+    return int(first.removeprefix("pending: "))
 
 
 @dataclass
@@ -54,9 +72,7 @@ async def observe(
 ) -> DrainState:
     state = DrainState()
     for name, url in databases.items():
-        state.pending_outbox[name] = await asyncio.to_thread(
-            count, url, "SELECT count(*) FROM outbox WHERE status = 0"
-        )
+        state.pending_outbox[name] = await asyncio.to_thread(pending_events, url)
     for group, topics in groups:
         state.lag[group] = await consumer_lag(bootstrap, group, topics)
     state.pending_orders = await asyncio.to_thread(

@@ -305,20 +305,33 @@ class CommandSettings:
         return "; ".join(parts)
 
     def typer_command(
-        self, app: typer.Typer, command_name: str, names: Sequence[str]
+        self,
+        app: typer.Typer,
+        command_name: str,
+        names: Sequence[str],
+        *,
+        switches: Mapping[str, str] | None = None,
     ) -> Callable[[Callable[[Values, typer.Context], None]], Callable[..., None]]:
         """Register ``body(values, ctx)`` as ``app``'s sub-command ``command_name`` with one
         option per setting in ``names`` (plus hidden deprecated flags). ``values`` are the
         resolved settings; a :class:`SettingsError` exits with code 2 and one line. The
-        body's docstring is the command's help."""
+        body's docstring is the command's help.
+
+        ``switches``: name -> help of boolean flags of this command only (``--dry-run``,
+        ``--force``), given on the command line and never read from the environment (an
+        operator's ``--force`` must not be inherited from a shell); ``values[name]`` is
+        ``True`` or ``False``.
+        """
+        switches = dict(switches or {})
 
         def decorate(body: Callable[[Values, typer.Context], None]) -> Callable[..., None]:
-            def handler(ctx: typer.Context, **given: str | None) -> None:
+            def handler(ctx: typer.Context, **given: Any) -> None:
+                flags = {name: bool(given.pop(name, False)) for name in switches}
                 try:
                     values = self.resolve(names, given)
                 except SettingsError as exc:
                     self.fail(exc)
-                body(values, ctx)
+                body({**values, **flags}, ctx)
 
             params = [
                 inspect.Parameter(
@@ -336,6 +349,17 @@ class CommandSettings:
                 params.append(_option_param(name, option))
                 for old in s.old_flags:
                     params.append(_option_param(_param(old), typer.Option(old, hidden=True)))
+            for name, text in switches.items():
+                params.append(
+                    inspect.Parameter(
+                        name,
+                        inspect.Parameter.KEYWORD_ONLY,
+                        default=False,
+                        annotation=Annotated[
+                            bool, typer.Option("--" + name.replace("_", "-"), help=text)
+                        ],
+                    )
+                )
             handler.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
             handler.__doc__ = body.__doc__
             app.command(command_name)(handler)

@@ -71,6 +71,7 @@ def test_the_wheel_carries_every_subpackage_and_the_migration_scripts(wheel: Pat
         "ledgerbox/migrations/env.py",
         "ledgerbox/migrations/script.py.mako",
         "ledgerbox/migrations/versions/0001_ledgerbox_tables.py",
+        "ledgerbox/migrations/versions/0002_relay_snapshot_cursor.py",
         "ledgerbox/py.typed",
     ):
         assert required in names, required
@@ -116,6 +117,31 @@ def downgrade() -> None:
 '''
 
 
+# The user's revision that takes the embedded tables to ledgerbox's schema revision 2 (the
+# snapshot cursor), as docs/migrations.md says: one revision calling the new ops in order.
+_USER_REVISION_2 = '''
+"""the user's revision for ledgerbox schema revision 2"""
+from alembic import op
+
+from ledgerbox.migrations import ops
+
+revision = "u0002"
+down_revision = "u0001"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    ops.upgrade_outbox_v1_to_v2(op, "outbox", None)
+    ops.upgrade_relay_v1_to_v2(op, "outbox", None)
+
+
+def downgrade() -> None:
+    ops.downgrade_outbox_v2_to_v1(op, "outbox", None)
+    ops.downgrade_relay_v2_to_v1(op, "outbox", None)
+'''
+
+
 def _user_project(root: Path, database_url: str) -> Path:
     """A service laid out as ``alembic init migrations`` leaves it, with a package marker."""
     mig = root / "migrations"
@@ -124,6 +150,7 @@ def _user_project(root: Path, database_url: str) -> Path:
     (mig / "env.py").write_text(_USER_ENV)
     (mig / "script.py.mako").write_text("")
     (mig / "versions" / "u0001_orders.py").write_text(_USER_REVISION)
+    (mig / "versions" / "u0002_ledgerbox_v2.py").write_text(_USER_REVISION_2)
     (root / "alembic.ini").write_text(
         "[alembic]\nscript_location = migrations\n"
         f"sqlalchemy.url = {database_url.replace('%', '%%')}\n"
@@ -162,7 +189,32 @@ def test_a_users_alembic_revisions_import_ledgerbox_ops_beside_their_own_migrati
         cwd=project, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert {"orders", "outbox", "inbox", "outbox_relay_lease"} <= _tables(empty_database_url)
+    assert {"orders", "outbox", "inbox", "outbox_relay_lease", "outbox_relay_tick"} <= _tables(
+        empty_database_url
+    )
+    # Revision 1 then 2 through the frozen ops: the models of the current version match.
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from ledgerbox.migrations import include_tables
+
+    metadata = sa.MetaData()
+    sa.Table("orders", metadata, sa.Column("id", sa.BigInteger, primary_key=True))
+    include_tables(metadata)
+    engine = sa.create_engine(empty_database_url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            diff = compare_metadata(
+                MigrationContext.configure(conn, opts={"compare_type": True}), metadata
+            )
+    finally:
+        engine.dispose()
+    assert diff == [], diff
+    downgrade = subprocess.run(
+        [str(alembic), "downgrade", "base"],
+        cwd=project, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert downgrade.returncode == 0, downgrade.stderr
 
 
 def test_failsafe_08_migrate_on_tables_of_an_embedding_env_says_what_to_do(

@@ -27,8 +27,22 @@ from sqlalchemy.orm import Session
 
 from ledgerbox._core.faults import Fault
 from ledgerbox.relay import Relay, RelayConfig, StoreError
-from ledgerbox.relay._pgstore import CLAIM_BATCH_HOLD, PgRelayStore, pg_store_factory
-from ledgerbox.relay._store import RelayStore, StoreFactory
+from ledgerbox.relay._pgstore import (
+    CLAIM_BATCH_HOLD,
+    CLEANUP_PUBLISHED,
+    PgRelayStore,
+    claim_params,
+    pg_store_factory,
+)
+from ledgerbox.relay._store import (
+    Cursor,
+    CursorWrite,
+    DeadLetter,
+    PersistOutcome,
+    RelayStore,
+    ShardRead,
+    StoreFactory,
+)
 from tests import _relay_support as rs
 from tests._relay_support import DelegatingStore
 from tests._services import TopicFactory
@@ -243,8 +257,9 @@ async def test_c03_two_relays_keep_aggregate_order(
 
 
 class _MarkFault:
-    """Injected fault shared by every mark store of one relay: ``mark_published`` fails
-    ``failures`` times (on whichever lane), then goes through."""
+    """Injected fault shared by every persist ("mark") store of one relay: ``persist`` (the
+    write that records the published events) fails ``failures`` times (on whichever lane),
+    then goes through."""
 
     def __init__(self, failures: int) -> None:
         self.failures = failures
@@ -262,18 +277,23 @@ class _MarkFault:
 
 
 class _FlakyMarkStore(DelegatingStore):
-    """A real store whose ``mark_published`` fails while the shared fault says so."""
+    """A real store whose ``persist`` fails while the shared fault says so."""
 
     def __init__(self, inner: RelayStore, fault: _MarkFault) -> None:
         super().__init__(inner)
         self.fault = fault
 
-    async def mark_published(self, ids: Sequence[int], fences: Sequence[tuple[int, int]]) -> int:
+    async def persist(
+        self,
+        cursors: Sequence[CursorWrite],
+        dead: Sequence[DeadLetter] = (),
+        held: Sequence[tuple[int, int]] = (),
+    ) -> dict[int, PersistOutcome]:
         self.fault.calls += 1
         if self.fault.failures > 0:
             self.fault.failures -= 1
             raise StoreError("injected: connection lost", sqlstate="08006", fault=Fault.ENVIRONMENT)
-        return await self.inner.mark_published(ids, fences)
+        return await self.inner.persist(cursors, dead, held)
 
 
 def _metric(name: str, labels: dict[str, str] | None = None) -> float:
@@ -467,8 +487,12 @@ async def test_permanent_reject_parks_dead_and_holds_the_key(
                 "WHERE topic = 'dead-test' ORDER BY id"
             )
         ).all()
-    assert [(k, s) for k, s, _ in rows] == [("k-bad", 2), ("k-bad", 0), ("k-ok", 1)]
+    assert [(k, s) for k, s, _ in rows] == [("k-bad", 2), ("k-bad", 3), ("k-ok", 0)], (
+        "dead, held behind it, published (the cursor passed all three)"
+    )
     assert rows[0][2].startswith("MessageSizeTooLargeError")
+    assert len(rs.published_ids(engine, "dead-test")) == 1
+    assert rs.pending_count(engine) == 0
 
     skipping = Relay(
         rs.config(database_url, "unused:9092", on_dead_letter="skip"), publisher=publisher
@@ -511,18 +535,31 @@ async def test_c14_cleanup_bounded_batches_never_deletes_pending(
     rs.reset_relay_tables(engine)
     writer = rs.writer_for("c14-live")
     with engine.begin() as conn:
+        # Published 8 days ago (v2: the cursor passed them; half of them under v1, status 1).
         conn.execute(
             text(
                 """INSERT INTO outbox (event_id, idempotency_key, topic, partition_key, shard,
                 event_type, source, aggregate_type, aggregate_id, payload, occurred_at, status,
-                published_at, created_at)
+                created_at)
                 SELECT gen_random_uuid(), 'c14:' || g, 'c14', 'k' || (g % 1000), g % 64, 'E',
-                  's', 'a', 'k' || (g % 1000), '{"x": 1}', now(), 1,
-                  now() - interval '8 days', now() - interval '8 days'
+                  's', 'a', 'k' || (g % 1000), '{"x": 1}', now(), g % 2,
+                  now() - interval '8 days'
                 FROM generate_series(1, 200000) g"""
             )
         )
-        # Old but NOT published: cleanup must never touch them.
+    with engine.begin() as conn:
+        # Every shard's cursor passes them (what the relay persisted after publishing them).
+        conn.execute(
+            text(
+                "INSERT INTO outbox_relay_lease (shard, fence) SELECT g, 0"
+                " FROM generate_series(-1, 63) g ON CONFLICT (shard) DO NOTHING"
+            )
+        )
+        conn.execute(text("UPDATE outbox_relay_lease SET lo = pg_current_snapshot()"))
+    with engine.begin() as conn:
+        # Old but NOT published (committed after the cursor: pending) or dead-lettered:
+        # cleanup must never touch them, although they are older than the retention and
+        # below the tick's horizon.
         conn.execute(
             text(
                 """INSERT INTO outbox (event_id, idempotency_key, topic, partition_key, shard,
@@ -534,19 +571,34 @@ async def test_c14_cleanup_bounded_batches_never_deletes_pending(
                 FROM generate_series(1, 100) g"""
             )
         )
+    with engine.begin() as conn:
+        # The leader's tick of that time: every row above was written before it.
+        conn.execute(
+            text(
+                "INSERT INTO outbox_relay_tick (taken_at, horizon) SELECT now() - interval"
+                " '7 days 1 hour', pg_snapshot_xmin(pg_current_snapshot())"
+            )
+        )
         conn.execute(text("ANALYZE outbox"))
+    assert rs.pending_count(engine) == 50
     config = rs.config(database_url, "unused:9092", cleanup_batch_size=1000)
     store = PgRelayStore(config, "test")
     try:
-        # The pending-events query uses the partial index.
+        # The pending-events query (the claim) and the cleanup use the (shard, txid) index.
         pg = await store._connection()
-        cur = await pg.execute(
-            psycopg_sql.SQL("EXPLAIN ") + store._q(CLAIM_BATCH_HOLD),
-            {"shards": list(range(64)), "limit": 1000, "exclude": []},
-        )
-        plan = "\n".join(row[0] for row in await cur.fetchall())
-        assert "ix_outbox_pending" in plan, plan
-        assert "Seq Scan on outbox" not in plan, plan
+        with engine.connect() as conn:
+            cursors = conn.execute(
+                text("SELECT shard, lo::text FROM outbox_relay_lease WHERE shard >= 0")
+            ).all()
+        claim = claim_params([ShardRead(s, Cursor(lo)) for s, lo in cursors], 1000)
+        for template, params in (
+            (CLAIM_BATCH_HOLD, claim),
+            (CLEANUP_PUBLISHED, {"retention_s": 7 * 86400.0, "limit": 1000}),
+        ):
+            cur = await pg.execute(psycopg_sql.SQL("EXPLAIN ") + store._q(template), params)
+            plan = "\n".join(row[0] for row in await cur.fetchall())
+            assert "ix_outbox_shard_txid" in plan, plan
+            assert "Seq Scan on outbox " not in plan, plan
 
         baseline = await asyncio.to_thread(_producer_latencies, engine, writer, 4.0, 100.0)
         sizes: list[int] = []

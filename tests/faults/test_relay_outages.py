@@ -146,12 +146,7 @@ def _status_counts(engine: Engine, topic: str) -> dict[int, int]:
 
 
 def _published(engine: Engine, topic: str) -> int:
-    with engine.connect() as conn:
-        return int(
-            conn.execute(
-                text("SELECT count(*) FROM outbox WHERE topic = :t AND status = 1"), {"t": topic}
-            ).scalar_one()
-        )
+    return len(rs.published_ids(engine, topic))
 
 
 def _owners(engine: Engine) -> dict[str, int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
 from alembic import command
 from alembic.autogenerate import compare_metadata
@@ -45,3 +47,83 @@ def test_custom_names_downgrade_and_upgrade_again(engine: Engine, database_url: 
     assert tables <= {migrations.VERSION_TABLE}
     command.upgrade(config, "head")
     assert _diff(engine, names) == []
+
+
+async def test_a_v1_database_upgraded_online_publishes_each_v1_pending_event_once_in_order(
+    empty_database_url: str,
+) -> None:
+    """Revision 1 with events published (status 1), pending (status 0) and a dead-lettered
+    one with a pending event of its key behind it; upgraded to head (the v1 relays
+    stopped); the new relay publishes every v1-pending event once, in id order per key,
+    never a v1-published one, holds the one behind the dead row; new events follow."""
+    import json
+
+    from ledgerbox.relay import Relay
+    from ledgerbox.relay.testing import InMemoryPublisher
+    from tests import _relay_support as rs
+
+    url = empty_database_url
+    migrations.upgrade_database(url, revision="0001")
+    engine = sa.create_engine(url)
+    try:
+        writer = rs.writer_for("v1-up")
+
+        def stage_v1(*events: Any) -> None:
+            # A Core insert names only the columns it sets: what a v1 producer wrote.
+            with engine.begin() as conn:
+                writer.stage_many(conn, events)
+
+        for seq in range(6):
+            stage_v1(*(rs.event(writer, k, seq) for k in ("a", "b")))
+        stage_v1(rs.event(writer, "dead", 0), rs.event(writer, "dead", 1))
+        with engine.begin() as conn:  # what the v1 relay had done
+            conn.execute(
+                sa.text(
+                    "UPDATE outbox SET status = 1, published_at = now()"
+                    " WHERE (payload->>'seq')::int < 3 AND partition_key IN ('a', 'b')"
+                )
+            )
+            conn.execute(
+                sa.text(
+                    "UPDATE outbox SET status = 2, last_error = 'too large'"
+                    " WHERE partition_key = 'dead' AND (payload->>'seq')::int = 0"
+                )
+            )
+        migrations.upgrade_database(url)
+        assert _diff(engine, migrations.Names()) == []
+        rs.stage(engine, writer, [rs.event(writer, k, 6) for k in ("a", "b")])
+        publisher = InMemoryPublisher()
+        relay = Relay(rs.config(url, "unused:9092"), publisher=publisher)
+        try:
+            while await relay.run_once():
+                pass
+        finally:
+            await relay.aclose()
+        seen: dict[bytes, list[int]] = {}
+        for record in publisher.records:
+            seen.setdefault(record.key, []).append(json.loads(record.value)["seq"])
+        assert seen == {b"a": [3, 4, 5, 6], b"b": [3, 4, 5, 6]}, seen
+        with engine.connect() as conn:
+            dead = conn.execute(
+                sa.text("SELECT status FROM outbox WHERE partition_key = 'dead' ORDER BY id")
+            ).scalars()
+            assert list(dead) == [2, 3], "dead stays dead, the one behind it is held"
+        assert rs.pending_count(engine) == 0
+
+        # Downgrade to revision 1: the rows v2 published become status 1, the held row
+        # pending again (v1's claim skips it behind the dead row).
+        from alembic import command
+
+        command.downgrade(migrations.alembic_config(url), "0001")
+        with engine.connect() as conn:
+            statuses = conn.execute(
+                sa.text("SELECT partition_key, status, count(*) FROM outbox GROUP BY 1, 2")
+            ).all()
+        assert {(k, int(s), int(n)) for k, s, n in statuses} == {
+            ("a", 1, 7),
+            ("b", 1, 7),
+            ("dead", 2, 1),
+            ("dead", 0, 1),
+        }
+    finally:
+        engine.dispose()

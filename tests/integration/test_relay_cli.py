@@ -50,12 +50,16 @@ def test_status_and_run_until_sigterm(
     assert lines[2] == "dead-lettered: 1"
     assert lines[3] == "shards: no lease rows yet (no relay has started)", lines
 
+    # This run's own broker (a hard-coded 127.0.0.1:9092 reached whatever listened there).
     proc = rs.relay_process(database_url, kafka_bootstrap, "--relay-id", "cli-run")
     try:
         deadline = time.monotonic() + 30
         while "cli-run shards: 0-63 (64)" not in _cli("status", DATABASE_URL=database_url).stdout:
             assert time.monotonic() < deadline
             time.sleep(0.2)
+        while rs.pending_count(engine) != 0:  # published while it runs, not only by chance
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
     finally:
         assert rs.stop_process(proc) == 0, "SIGTERM: clean exit"
     after = _cli("status", DATABASE_URL=database_url).stdout

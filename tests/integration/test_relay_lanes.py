@@ -14,7 +14,7 @@ from sqlalchemy import Engine, text
 from ledgerbox.outbox import shard_of
 from ledgerbox.relay import Relay, RelayConfig
 from ledgerbox.relay._pgstore import pg_store_factory
-from ledgerbox.relay._store import ClaimedEvent, RelayStore
+from ledgerbox.relay._store import Claim, RelayStore, ShardRead
 from ledgerbox.relay.testing import InMemoryPublisher
 from tests import _relay_support as rs
 from tests._relay_support import DelegatingStore
@@ -176,15 +176,13 @@ class _HeldClaimStore(DelegatingStore):
         self.prefetch_started = asyncio.Event()
         self.release = asyncio.Event()
 
-    async def claim_batch(
-        self, shards: Sequence[int], limit: int, *, hold: bool, exclude: Sequence[int] = ()
-    ) -> list[ClaimedEvent]:
+    async def claim_batch(self, reads: Sequence[ShardRead], limit: int, *, hold: bool) -> Claim:
         self.claims += 1
         if self.claims == 2:
             self.prefetch_started.set()
             await self.release.wait()
-            return []
-        return await super().claim_batch(shards, limit, hold=hold, exclude=exclude)
+            return Claim([], (await super().claim_batch([], limit, hold=hold)).snapshot)
+        return await super().claim_batch(reads, limit, hold=hold)
 
 
 def _factory(config: RelayConfig, role: str, store: Callable[[RelayStore], RelayStore]) -> Any:

@@ -13,6 +13,7 @@ from ledgerbox.outbox import envelope_from_kafka, kafka_headers, timestamp_ms
 from ledgerbox.relay import Relay
 from ledgerbox.relay._pgstore import PgRelayStore
 from ledgerbox.relay._record import to_record
+from ledgerbox.relay._store import Cursor, ShardRead
 from ledgerbox.relay.testing import InMemoryPublisher
 from tests import _relay_support as rs
 from tests._services import TopicFactory
@@ -58,10 +59,11 @@ async def test_published_record_has_key_value_timestamp_headers(
     back = envelope_from_kafka(topic, record.key, record.value, list(record.headers))
     assert back == ev
     with engine.connect() as conn:
-        status, published_at = conn.execute(
-            text("SELECT status, published_at FROM outbox WHERE event_id = :e"), {"e": ev.event_id}
+        (row_id,) = conn.execute(
+            text("SELECT id FROM outbox WHERE event_id = :e"), {"e": ev.event_id}
         ).one()
-    assert status == 1 and published_at is not None
+    assert rs.published_ids(engine, topic) == [row_id], "the persisted cursor passed it"
+    assert rs.pending_count(engine) == 0
 
 
 async def test_run_once_publishes_one_batch_in_key_order(engine: Engine, database_url: str) -> None:
@@ -158,7 +160,8 @@ async def test_claimed_record_is_byte_identical_to_kafka_headers(
     config = rs.config(database_url, kafka_bootstrap)
     store = PgRelayStore(config)
     try:
-        claimed = await store.claim_batch(list(range(config.shard_count)), 100, hold=True)
+        reads = [ShardRead(s, Cursor(None)) for s in range(config.shard_count)]
+        claimed = (await store.claim_batch(reads, 100, hold=True)).events
     finally:
         await store.aclose()
     by_id = {c.event_id: c for c in claimed}

@@ -12,7 +12,14 @@ from sqlalchemy import Engine, text
 
 from ledgerbox.outbox import EventEnvelope, shard_of
 from ledgerbox.relay._pgstore import PgRelayStore
-from ledgerbox.relay._store import RelayStore
+from ledgerbox.relay._store import (
+    Cursor,
+    CursorWrite,
+    DeadLetter,
+    PersistOutcome,
+    RelayStore,
+    ShardRead,
+)
 from ledgerbox.relay.testing import InMemoryRelayStore
 from tests import _relay_support as rs
 
@@ -32,6 +39,13 @@ class _Harness:
         raise NotImplementedError
 
     async def advance(self, seconds: float) -> None:
+        raise NotImplementedError
+
+    def ahead(self) -> Cursor:
+        """A cursor beyond the database's transaction counter (as after a restore)."""
+        raise NotImplementedError
+
+    def set_cursor(self, shard: int, cursor: Cursor) -> None:
         raise NotImplementedError
 
     async def aclose(self) -> None:
@@ -58,6 +72,12 @@ class _Memory(_Harness):
     async def advance(self, seconds: float) -> None:
         self.now += seconds
 
+    def ahead(self) -> Cursor:
+        return Cursor("1000000")
+
+    def set_cursor(self, shard: int, cursor: Cursor) -> None:
+        self.db.set_cursor(shard, cursor)
+
 
 class _Postgres(_Harness):
     def __init__(self, engine: Engine, database_url: str) -> None:
@@ -67,6 +87,7 @@ class _Postgres(_Harness):
             conn.execute(text("DELETE FROM outbox"))
             conn.execute(text("DELETE FROM outbox_relay_lease"))
             conn.execute(text("DELETE FROM outbox_relay_member"))
+            conn.execute(text("DELETE FROM outbox_relay_tick"))
 
     async def store(self, member: str) -> RelayStore:
         config = rs.config(self.database_url, "unused:9092", relay_id=member)
@@ -88,6 +109,22 @@ class _Postgres(_Harness):
 
     async def advance(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
+
+    def ahead(self) -> Cursor:
+        with self.engine.connect() as conn:
+            xmax = int(
+                conn.execute(text("SELECT pg_snapshot_xmax(pg_current_snapshot())")).scalar_one()
+            )
+        return Cursor(f"{xmax + 1_000_000}:{xmax + 1_000_000}:")
+
+    def set_cursor(self, shard: int, cursor: Cursor) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                text(
+                    "UPDATE outbox_relay_lease SET lo = CAST(:lo AS pg_snapshot) WHERE shard = :s"
+                ),
+                {"lo": cursor.lo, "s": shard},
+            )
 
     async def aclose(self) -> None:
         for store in self.stores:
@@ -119,7 +156,10 @@ def _keys_on(*shards: int) -> list[str]:
     return [found[s] for s in shards]
 
 
-async def test_claim_mark_dead_letter_hold_and_stats_agree(db: _Harness) -> None:
+EMPTY = Cursor(None)
+
+
+async def test_claim_persist_dead_letter_hold_and_stats_agree(db: _Harness) -> None:
     writer = rs.writer_for("contract")
     a, b = _keys_on(3, 9)
     ids = db.add([rs.event(writer, k, s) for s in range(3) for k in (a, b)])
@@ -127,31 +167,45 @@ async def test_claim_mark_dead_letter_hold_and_stats_agree(db: _Harness) -> None
     await me.ensure_leases(64)
     assert sorted(await me.acquire_shards(2, 30.0, lo=3, hi=9)) == [(3, 1), (4, 1)]
     assert await me.acquire_shards(1, 30.0, lo=9, hi=9) == [(9, 1)]
+    opened = await me.open_shards([(9, 1), (3, 1), (4, 2)])
+    assert [(o.shard, o.fence, o.cursor) for o in opened] == [(3, 1, EMPTY), (9, 1, EMPTY)]
 
-    claimed = await me.claim_batch([9, 3], 4, hold=True)
-    assert [(c.shard, c.id) for c in claimed] == [
+    claim = await me.claim_batch([ShardRead(9, EMPTY), ShardRead(3, EMPTY)], 4, hold=True)
+    assert [(c.shard, c.id) for c in claim.events] == [
         (3, ids[0]),
         (9, ids[1]),
         (9, ids[3]),
         (9, ids[5]),
     ]
-    excluded = await me.claim_batch([3, 9], 10, hold=True, exclude=[ids[0], ids[1]])
-    assert [c.id for c in excluded] == [ids[2], ids[4], ids[3], ids[5]]
+    snap = claim.snapshot
+    mid3, done9 = Cursor(None, snap, ids[0]), Cursor(snap)
+    rest = await me.claim_batch([ShardRead(3, mid3), ShardRead(9, done9)], 10, hold=True)
+    assert [c.id for c in rest.events] == [ids[2], ids[4]]
+    listed = await me.range_ids([ShardRead(3, mid3)], 1)
+    assert {s: list(v) for s, v in listed.items()} == {3: [ids[2]]}
 
-    assert await me.mark_published([ids[1], ids[3]], [(9, 2)]) == 0, "wrong fence"
-    assert await me.mark_published([ids[1], ids[3], ids[0]], [(9, 1)]) == 2, "shard 3 not given"
-    assert await me.mark_dead_lettered(ids[0], 1, "refused: too large") == 1
-    assert await me.mark_dead_lettered(ids[0], 1, "again") == 0, "only a pending row"
-    assert [db.status(i) for i in ids] == [2, 1, 0, 1, 0, 0]
+    assert await me.persist([CursorWrite(9, 2, done9)]) == {9: PersistOutcome.LOST}, "fence"
+    assert await me.persist(
+        [CursorWrite(9, 1, done9), CursorWrite(3, 1, mid3)], [DeadLetter(ids[0], 3, "refused")]
+    ) == {9: PersistOutcome.OK, 3: PersistOutcome.OK}
+    assert [db.status(i) for i in ids] == [2, 0, 0, 0, 0, 0]
+    reopened = await me.open_shards([(3, 1), (9, 1)])
+    assert [o.cursor for o in reopened] == [mid3, done9]
 
-    held = await me.claim_batch([3, 9], 10, hold=True)
-    assert [c.id for c in held] == [ids[5]], "a's later rows wait behind its dead one"
-    skipped = await me.claim_batch([3, 9], 10, hold=False)
-    assert [c.id for c in skipped] == [ids[2], ids[4], ids[5]]
+    held = await me.claim_batch([ShardRead(3, mid3)], 10, hold=True)
+    assert [(c.id, c.held) for c in held.events] == [(ids[2], True), (ids[4], True)], (
+        "a's later rows wait behind its dead one"
+    )
+    skipped = await me.claim_batch([ShardRead(3, mid3)], 10, hold=False)
+    assert [(c.id, c.held) for c in skipped.events] == [(ids[2], False), (ids[4], False)]
+    assert await me.persist([CursorWrite(3, 1, Cursor(snap))], held=[(ids[2], 3), (ids[4], 3)]) == {
+        3: PersistOutcome.OK
+    }
+    assert [db.status(i) for i in ids] == [2, 0, 3, 0, 3, 0]
 
     stats = await me.stats(64)
-    assert (stats.pending, stats.dead_lettered) == (3, 1)
-    assert stats.oldest_pending_age_s is not None and stats.oldest_pending_age_s >= 0
+    assert (stats.pending, stats.dead_lettered, stats.held) == (0, 1, 2)
+    assert stats.oldest_pending_age_s is None
     assert stats.owners[0] == (-1, None, 0, False)
     assert [o for o in stats.owners if o[1] is not None] == [
         (3, "a", 1, True),
@@ -159,6 +213,80 @@ async def test_claim_mark_dead_letter_hold_and_stats_agree(db: _Harness) -> None
         (9, "a", 1, True),
     ]
     assert len(stats.owners) == 65
+
+    # Replay: the dead row and the held rows of its key are read again, in id order.
+    assert await me.replay_dead_lettered(ids[1]) == 0, "not dead-lettered"
+    assert await me.replay_dead_lettered(ids[0]) == 3
+    again = await me.claim_batch([ShardRead(3, Cursor(snap))], 10, hold=True)
+    assert [(c.id, c.held) for c in again.events] == [
+        (ids[0], False),
+        (ids[2], False),
+        (ids[4], False),
+    ]
+    assert (await me.stats(64)).pending == 3
+
+
+async def test_a_held_row_is_read_again_when_its_dead_row_was_replayed_meanwhile(
+    db: _Harness,
+) -> None:
+    writer = rs.writer_for("contract-replay")
+    (key,) = _keys_on(5)
+    dead, later = db.add([rs.event(writer, key, 1), rs.event(writer, key, 2)])
+    me = await db.store("a")
+    await me.ensure_leases(64)
+    await me.acquire_shards(1, 30.0, lo=5, hi=5)
+    first = await me.claim_batch([ShardRead(5, EMPTY)], 1, hold=True)
+    mid = Cursor(None, first.snapshot, dead)
+    await me.persist([CursorWrite(5, 1, mid)], [DeadLetter(dead, 5, "refused")])
+    flagged = await me.claim_batch([ShardRead(5, mid)], 10, hold=True)
+    assert [(c.id, c.held) for c in flagged.events] == [(later, True)]
+    # The operator replays the dead row before the persist that would hold `later`.
+    assert await me.replay_dead_lettered(dead) == 2, "the dead row and the unpublished later one"
+    assert await me.persist([CursorWrite(5, 1, Cursor(first.snapshot))], held=[(later, 5)]) == {
+        5: PersistOutcome.OK
+    }
+    assert [db.status(i) for i in (dead, later)] == [0, 0], "not held: nothing is dead"
+    again = await me.claim_batch([ShardRead(5, Cursor(first.snapshot))], 10, hold=True)
+    assert [(c.id, c.held) for c in again.events] == [(dead, False), (later, False)]
+
+
+async def test_discard_releases_the_held_rows(db: _Harness) -> None:
+    writer = rs.writer_for("contract-discard")
+    (key,) = _keys_on(6)
+    dead, later = db.add([rs.event(writer, key, 1), rs.event(writer, key, 2)])
+    me = await db.store("a")
+    await me.ensure_leases(64)
+    await me.acquire_shards(1, 30.0, lo=6, hi=6)
+    claim = await me.claim_batch([ShardRead(6, EMPTY)], 10, hold=True)
+    await me.persist(
+        [CursorWrite(6, 1, Cursor(claim.snapshot))], [DeadLetter(dead, 6, "x")], [(later, 6)]
+    )
+    assert [db.status(i) for i in (dead, later)] == [2, 3]
+    assert await me.discard_dead_lettered(dead) == 2
+    assert [db.status(i) for i in (dead, later)] == [4, 0]
+    again = await me.claim_batch([ShardRead(6, Cursor(claim.snapshot))], 10, hold=True)
+    assert [(c.id, c.held) for c in again.events] == [(later, False)]
+
+
+async def test_a_cursor_ahead_of_the_database_is_refused_for_good(db: _Harness) -> None:
+    me = await db.store("a")
+    await me.ensure_leases(64)
+    await me.acquire_shards(1, 30.0, lo=7, hi=7)
+    ahead = db.ahead()
+    db.set_cursor(7, ahead)
+    claim = await me.claim_batch([ShardRead(7, ahead)], 10, hold=True)
+    assert claim.ahead == [7] and claim.events == []
+    assert await me.persist([CursorWrite(7, 1, ahead)]) == {7: PersistOutcome.RECHECK}
+    (opened,) = await me.open_shards([(7, 1)])
+    assert opened.cursor is None and opened.refused is not None and "ahead" in opened.refused
+    db.set_cursor(7, Cursor(None))  # even once the cursor looks fine: sticky
+    assert [o.refused for o in await me.open_shards([(7, 1)])] == [opened.refused]
+    assert await me.refused_shards() == [(7, opened.refused)]
+    assert (await me.stats(64)).refused == [(7, opened.refused)]
+    assert len(await me.rebase(0.0, dry_run=True)) == 64
+    assert await me.refused_shards() == [(7, opened.refused)], "a dry run changes nothing"
+    await me.rebase(0.0, dry_run=False)
+    assert await me.refused_shards() == []
 
 
 async def test_leases_expire_and_move_under_a_new_fence(db: _Harness) -> None:
@@ -194,14 +322,19 @@ async def test_cleanup_deletes_only_published_rows_past_retention(db: _Harness) 
     me = await db.store("a")
     await me.ensure_leases(64)
     assert await me.acquire_shards(1, 30.0, lo=0, hi=0) == [(0, 1)]
-    assert await me.mark_published(ids[:2], [(0, 1)]) == 2
-    assert await me.mark_dead_lettered(ids[2], 1, "x") == 1
-    assert await me.cleanup_published(0.5, 10) == 0, "published less than 0.5 s ago"
+    claim = await me.claim_batch([ShardRead(0, EMPTY)], 3, hold=True)
+    await me.persist(
+        [CursorWrite(0, 1, Cursor(claim.snapshot))], [DeadLetter(ids[2], 0, "x")]
+    )  # ids 0-1 published, 2 dead, 3 pending: in the next range? no, committed before: passed
+    assert await me.record_tick(0.0, 0.5) is True
+    late = db.add([rs.event(writer, key, 9)])[0]  # committed after the tick: pending
+    assert await me.cleanup_published(0.5, 10) == 0, "no tick older than 0.5 s"
     await db.advance(0.6)
     assert await me.cleanup_published(0.5, 1) == 1, "bounded"
-    assert await me.cleanup_published(0.5, 10) == 1
+    assert await me.cleanup_published(0.5, 10) == 2
     assert await me.cleanup_published(0.5, 10) == 0
-    assert [db.status(i) for i in ids] == [None, None, 2, 0]
+    assert [db.status(i) for i in [*ids, late]] == [None, None, 2, None, 0]
+    assert (await me.stats(64)).pending == 1
 
 
 async def test_notifications_yield_once_listening_then_on_a_commit(db: _Harness) -> None:

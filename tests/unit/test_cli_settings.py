@@ -41,6 +41,7 @@ SAMPLE: dict[str, Any] = {
     "retention_s": 3600.0,
     "relay_id": "relay-7",
     "shard_count": 16,
+    "claim_linger_ms": 2,
     "linger_ms": 5,
     "producer_batch_bytes": 2048,
     "request_timeout_ms": 4000,

@@ -106,9 +106,13 @@ PUBLIC: dict[str, list[str]] = {
         "create_inbox_v1",
         "create_outbox_v1",
         "create_relay_v1",
+        "downgrade_outbox_v2_to_v1",
+        "downgrade_relay_v2_to_v1",
         "drop_inbox_v1",
         "drop_outbox_v1",
         "drop_relay_v1",
+        "upgrade_outbox_v1_to_v2",
+        "upgrade_relay_v1_to_v2",
     ],
 }
 

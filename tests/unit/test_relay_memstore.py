@@ -14,6 +14,7 @@ from aiokafka.errors import MessageSizeTooLargeError
 
 from ledgerbox.outbox import EventEnvelope, EventStatus, shard_of
 from ledgerbox.relay import Relay, RelayConfig
+from ledgerbox.relay._store import Cursor, CursorWrite, DeadLetter, PersistOutcome, ShardRead
 from ledgerbox.relay.testing import InMemoryPublisher, InMemoryRelayStore
 
 T0 = dt.datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=dt.UTC)
@@ -63,38 +64,72 @@ async def owned(store: InMemoryRelayStore, shards: range | list[int]) -> dict[in
 
 # -- the store's rules ---------------------------------------------------------------------
 
+EMPTY = Cursor(None)
+
+
+def reads(*shards: int, cursor: Cursor = EMPTY) -> list[ShardRead]:
+    return [ShardRead(s, cursor) for s in shards]
+
 
 async def test_claim_takes_shards_in_the_given_order_rows_in_id_order_sorted_by_shard() -> None:
     store = InMemoryRelayStore("me")
     a, b = keys_on_shards(3, 9)
     ids = [store.add(ev(k, s)) for s in range(3) for k in (a, b)]  # interleaved ids
-    claimed = await store.claim_batch([9, 3], 4, hold=True)
+    claim = await store.claim_batch(reads(9, 3), 4, hold=True)
     # shard 9 first (all 3 rows), then one row of shard 3; returned sorted by (shard, id)
-    assert [(c.shard, c.id) for c in claimed] == [
+    assert [(c.shard, c.id) for c in claim.events] == [
         (3, ids[0]),
         (9, ids[1]),
         (9, ids[3]),
         (9, ids[5]),
     ]
-    again = await store.claim_batch([3, 9], 10, hold=True, exclude=[ids[0], ids[1]])
-    assert [c.id for c in again] == [ids[2], ids[4], ids[3], ids[5]]
-    assert await store.claim_batch([], 10, hold=True) == []
+    # The open ranges go on after their last id, up to the claim's snapshot.
+    snap = claim.snapshot
+    again = await store.claim_batch(
+        [ShardRead(3, Cursor(None, snap, ids[0])), ShardRead(9, Cursor(None, snap, ids[1]))],
+        10,
+        hold=True,
+    )
+    assert [c.id for c in again.events] == [ids[2], ids[4], ids[3], ids[5]]
+    assert (await store.claim_batch([], 10, hold=True)).events == []
+
+
+async def test_a_range_holds_what_committed_after_lo_up_to_hi_and_pages_by_id() -> None:
+    store = InMemoryRelayStore("me")
+    (key,) = keys_on_shards(4)
+    first = [store.add(ev(key, i)) for i in range(3)]
+    snap = (await store.claim_batch(reads(4), 10, hold=False)).snapshot
+    later = [store.add(ev(key, i)) for i in range(3, 5)]
+    claim = await store.claim_batch(reads(4, cursor=Cursor(snap)), 10, hold=False)
+    assert [c.id for c in claim.events] == later, "only what committed after lo"
+    closed = Cursor(None, snap)
+    assert [
+        c.id for c in (await store.claim_batch(reads(4, cursor=closed), 10, hold=False)).events
+    ] == first
+    assert await store.range_ids(reads(4, cursor=Cursor(None, claim.snapshot, first[0])), 3) == {
+        4: [first[1], first[2], later[0]]
+    }
+    page = await store.claim_batch(
+        [ShardRead(4, Cursor(None, claim.snapshot), [first[2], later[1]])], 10, hold=False
+    )
+    assert [c.id for c in page.events] == [first[2], later[1]], "a page reads exactly its ids"
 
 
 async def test_claimed_rows_carry_what_the_kafka_record_needs() -> None:
     store = InMemoryRelayStore()
     event = ev("k", 4).model_copy(update={"headers": {"traceparent": "00-x"}})
     store.add(event)
-    (claimed,) = await store.claim_batch(range(64), 1, hold=False)
+    (claimed,) = (await store.claim_batch(reads(*range(64)), 1, hold=False)).events
     assert claimed.event_id == str(event.event_id)
     assert claimed.aggregate_version == "4"
     assert claimed.occurred_at_ms == 1767323045678
     assert claimed.occurred_at_iso == "2026-01-02T03:04:05.678000+00:00"
     assert json.loads(claimed.payload) == event.payload
     assert json.loads(claimed.headers) == {"traceparent": "00-x"}
+    assert claimed.held is False
 
 
-async def test_marks_are_fenced_and_only_pending_rows_change() -> None:
+async def test_persists_are_fenced_and_move_the_cursor() -> None:
     clock = Clock()
     me = InMemoryRelayStore("me", clock=clock)
     other = me.for_member("other")
@@ -102,33 +137,93 @@ async def test_marks_are_fenced_and_only_pending_rows_change() -> None:
     first, second = me.add(ev(key, 1)), me.add(ev(key, 2))
     fences = await owned(me, [5])
     assert fences == {5: 1}
-    assert await me.mark_published([first], [(5, 2)]) == 0, "wrong fence"
-    assert await other.mark_published([first], [(5, 1)]) == 0, "not the owner"
-    assert await me.mark_published([first, first], [(5, 1)]) == 1
-    assert await me.mark_published([first], [(5, 1)]) == 0, "already published"
-    assert me.status_of(first) is EventStatus.PUBLISHED
-    # the lease expires and another relay takes the shard: the old fence marks nothing
+    claim = await me.claim_batch(reads(5), 1, hold=True)
+    mid = Cursor(None, claim.snapshot, first)
+    assert await me.persist([CursorWrite(5, 2, mid)]) == {5: PersistOutcome.LOST}, "wrong fence"
+    assert await other.persist([CursorWrite(5, 1, mid)]) == {5: PersistOutcome.LOST}, "not mine"
+    assert me.pending_count() == 2
+    assert await me.persist([CursorWrite(5, 1, mid)]) == {5: PersistOutcome.OK}
+    assert me.is_published(first) and not me.is_published(second)
+    assert me.pending_count() == 1
+    assert me.status_of(first) is EventStatus.PENDING, "nothing written per row"
+    # the lease expires and another relay takes the shard: the old fence writes nothing
     clock.now += 6
     assert await other.acquire_shards(1, 5.0, lo=5, hi=5) == [(5, 2)]
-    assert await me.mark_published([second], [(5, 1)]) == 0
-    assert await me.mark_dead_lettered(second, 1, "x") == 0
-    assert await other.mark_dead_lettered(second, 2, "E" * 3000) == 1
+    dead = DeadLetter(second, 5, "x")
+    done = Cursor(claim.snapshot)
+    assert await me.persist([CursorWrite(5, 1, done)], [dead]) == {5: PersistOutcome.LOST}
+    assert me.status_of(second) is EventStatus.PENDING
+    assert (await other.open_shards([(5, 2)]))[0].cursor == mid, "the new owner reads it"
+    assert await other.persist([CursorWrite(5, 2, done)], [DeadLetter(second, 5, "E" * 3000)]) == {
+        5: PersistOutcome.OK
+    }
     assert me.status_of(second) is EventStatus.DEAD_LETTERED
     assert me.last_error_of(second) == "E" * 2000
+    assert me.pending_count() == 0
 
 
-async def test_hold_skips_later_rows_of_a_key_with_a_dead_lettered_row() -> None:
+async def test_a_cursor_ahead_of_the_database_is_refused_and_stays_refused() -> None:
+    store = InMemoryRelayStore("me")
+    (key,) = keys_on_shards(6)
+    store.add(ev(key, 1))
+    fences = await owned(store, [6])
+    store.set_cursor(6, Cursor("99"))  # as after a restore into a cluster that is behind
+    (opened,) = await store.open_shards([(6, fences[6])])
+    assert opened.cursor is None and opened.refused is not None
+    assert "ahead" in opened.refused
+    claim = await store.claim_batch(reads(6, cursor=Cursor("99")), 10, hold=True)
+    assert claim.ahead == [6] and claim.events == []
+    for _ in range(100):  # the counter passes the cursor: still refused (sticky)
+        store.add(ev("other", 1))
+    assert (await store.open_shards([(6, fences[6])]))[0].refused is not None
+    assert await store.refused_shards() == [(6, opened.refused)]
+    await store.rebase(0.0, dry_run=False)
+    assert await store.refused_shards() == []
+
+
+async def test_hold_flags_later_rows_of_a_key_with_a_dead_lettered_row() -> None:
     store = InMemoryRelayStore("me")
     bad, ok = keys_on_shards(1, 2)
     dead, later, other = store.add(ev(bad, 1)), store.add(ev(bad, 2)), store.add(ev(ok, 1))
     fences = await owned(store, [1, 2])
-    assert await store.mark_dead_lettered(dead, fences[1], "refused") == 1
-    held = await store.claim_batch([1, 2], 10, hold=True)
-    assert [c.id for c in held] == [other]
-    skipped = await store.claim_batch([1, 2], 10, hold=False)
-    assert [c.id for c in skipped] == [later, other]
-    store.replay(dead)
-    assert [c.id for c in await store.claim_batch([1], 10, hold=True)] == [dead, later]
+    claim = await store.claim_batch(reads(1, 2), 1, hold=True)
+    assert [c.id for c in claim.events] == [dead]
+    written = await store.persist(
+        [CursorWrite(1, fences[1], Cursor(None, claim.snapshot, dead))],
+        [DeadLetter(dead, 1, "refused")],
+    )
+    assert written == {1: PersistOutcome.OK}
+    cursor = Cursor(None, claim.snapshot, dead)
+    held = await store.claim_batch([ShardRead(1, cursor), ShardRead(2, EMPTY)], 10, hold=True)
+    assert [(c.id, c.held) for c in held.events] == [(later, True), (other, False)]
+    skipped = await store.claim_batch([ShardRead(1, cursor), ShardRead(2, EMPTY)], 10, hold=False)
+    assert [(c.id, c.held) for c in skipped.events] == [(later, False), (other, False)]
+    # the persist that passes the flagged row holds it
+    await store.persist([CursorWrite(1, fences[1], Cursor(held.snapshot))], held=[(later, 1)])
+    assert store.status_of(later) is EventStatus.HELD
+    assert store.pending_count() == 1  # `other` only
+    # replay: the dead row and the held row are read again, in id order
+    assert store.replay(dead) == 2
+    again = await store.claim_batch(reads(1, cursor=Cursor(held.snapshot)), 10, hold=True)
+    assert [(c.id, c.held) for c in again.events] == [(dead, False), (later, False)]
+
+
+async def test_discard_lets_the_held_rows_go_on_and_never_sends_the_dead_one() -> None:
+    store = InMemoryRelayStore("me")
+    (bad,) = keys_on_shards(1)
+    dead, later = store.add(ev(bad, 1)), store.add(ev(bad, 2))
+    fences = await owned(store, [1])
+    claim = await store.claim_batch(reads(1), 10, hold=True)
+    await store.persist(
+        [CursorWrite(1, fences[1], Cursor(claim.snapshot))],
+        [DeadLetter(dead, 1, "refused")],
+        [(later, 1)],
+    )
+    assert store.status_of(later) is EventStatus.HELD
+    assert await store.discard_dead_lettered(dead) == 2
+    assert store.status_of(dead) is EventStatus.DISCARDED
+    again = await store.claim_batch(reads(1, cursor=Cursor(claim.snapshot)), 10, hold=True)
+    assert [(c.id, c.held) for c in again.events] == [(later, False)]
 
 
 async def test_leases_fences_expiry_and_membership() -> None:
@@ -163,20 +258,34 @@ async def test_cleanup_deletes_only_published_rows_past_retention() -> None:
     (key,) = keys_on_shards(0)
     rows = [store.add(ev(key, i)) for i in range(5)]
     fences = await owned(store, [0])
-    await store.mark_published(rows[:3], [(0, fences[0])])
-    await store.mark_dead_lettered(rows[3], fences[0], "x")
+    claim = await store.claim_batch(reads(0), 3, hold=True)
+    await store.persist(
+        [CursorWrite(0, fences[0], Cursor(None, claim.snapshot, rows[2]))]
+    )  # rows 0..2 published, in an open range: not yet below lo
+    claim = await store.claim_batch(
+        reads(0, cursor=Cursor(None, claim.snapshot, rows[2])), 1, hold=True
+    )
+    await store.persist(
+        [CursorWrite(0, fences[0], Cursor(None, claim.snapshot, rows[3]))],
+        [DeadLetter(rows[3], 0, "x")],
+    )
+    assert await store.cleanup_published(0.0, 10) == 0, "published but not below lo"
+    await store.persist([CursorWrite(0, fences[0], Cursor(claim.snapshot))])  # rows[4] too
     clock.now += 100
-    assert await store.cleanup_published(100.0, 10) == 0, "not older than the retention"
-    clock.now += 1
+    assert await store.record_tick(10.0, 100.0) is True
+    assert await store.record_tick(10.0, 100.0) is False, "one tick per gap"
+    later = store.add(ev(key, 9))  # committed after the tick
+    assert await store.cleanup_published(100.0, 10) == 0, "no tick older than the retention"
+    clock.now += 101
     assert await store.cleanup_published(100.0, 2) == 2, "bounded"
-    assert await store.cleanup_published(100.0, 10) == 1
+    assert await store.cleanup_published(100.0, 10) == 2, "rows 2 and 4; never the dead one"
     with pytest.raises(KeyError):
         store.status_of(rows[0])
     assert store.status_of(rows[3]) is EventStatus.DEAD_LETTERED
-    assert store.status_of(rows[4]) is EventStatus.PENDING
+    assert store.status_of(later) is EventStatus.PENDING, "pending: the cursor has not passed it"
 
 
-async def test_stats_count_pending_dead_and_age_and_list_owners() -> None:
+async def test_stats_count_pending_dead_held_and_age_and_list_owners() -> None:
     clock = Clock()
     store = InMemoryRelayStore("me", clock=clock)
     empty = await store.stats(64)
@@ -189,12 +298,21 @@ async def test_stats_count_pending_dead_and_age_and_list_owners() -> None:
     a, b = keys_on_shards(0, 1)
     first = store.add(ev(a, 1))
     clock.now += 10
-    store.add(ev(b, 1))
+    second = store.add(ev(b, 1))
     fences = await owned(store, [0, 1])
-    await store.mark_dead_lettered(first, fences[0], "x")
+    claim = await store.claim_batch(reads(0), 10, hold=True)
+    await store.persist(
+        [CursorWrite(0, fences[0], Cursor(claim.snapshot))], [DeadLetter(first, 0, "x")]
+    )
     clock.now += 4
     stats = await store.stats(64)
-    assert (stats.pending, stats.dead_lettered, stats.oldest_pending_age_s) == (1, 1, 4.0)
+    assert (stats.pending, stats.dead_lettered, stats.held, stats.oldest_pending_age_s) == (
+        1,
+        1,
+        0,
+        4.0,
+    )
+    assert not store.is_published(second)
     assert stats.owners[:3] == [(-1, None, 0, False), (0, "me", 1, True), (1, "me", 1, True)]
     clock.now += 1
     assert (await store.stats(64)).owners[1] == (0, "me", 1, False), "expired"
@@ -228,7 +346,7 @@ def config(**overrides: object) -> RelayConfig:
     return RelayConfig(**values)  # type: ignore[arg-type]
 
 
-async def test_relay_run_once_publishes_each_key_in_order_and_marks_the_rows() -> None:
+async def test_relay_run_once_publishes_each_key_in_order_and_persists_the_cursors() -> None:
     store, publisher = InMemoryRelayStore("r1"), InMemoryPublisher()
     rows = [store.add(ev(f"k{i % 3}", i)) for i in range(7)]
     relay = Relay(config(batch_size=5), publisher=publisher, store_factory=store.factory())
@@ -243,7 +361,8 @@ async def test_relay_run_once_publishes_each_key_in_order_and_marks_the_rows() -
     for record in publisher.records:
         by_key.setdefault(record.key, []).append(json.loads(record.value)["seq"])
     assert by_key == {b"k0": [0, 3, 6], b"k1": [1, 4], b"k2": [2, 5]}
-    assert {store.status_of(r) for r in rows} == {EventStatus.PUBLISHED}
+    assert all(store.is_published(r) for r in rows)
+    assert store.pending_count() == 0
     assert all(store.lease_of(s)[0] is None for s in range(-1, 64)), "aclose released them"
 
 
@@ -261,8 +380,9 @@ async def test_relay_dead_letters_a_refused_record_and_holds_its_key() -> None:
         await relay.aclose()
     assert store.status_of(bad) is EventStatus.DEAD_LETTERED
     assert (store.last_error_of(bad) or "").startswith("MessageSizeTooLargeError")
-    assert store.status_of(held) is EventStatus.PENDING
-    assert store.status_of(fine) is EventStatus.PUBLISHED
+    assert store.status_of(held) is EventStatus.HELD
+    assert store.is_published(fine) and store.status_of(fine) is EventStatus.PENDING
+    assert store.pending_count() == 0, "the cursor passed all three"
 
 
 async def test_two_relays_split_the_shards_and_take_over_a_dead_ones() -> None:
@@ -327,7 +447,7 @@ async def test_failsafe_02_a_relay_that_cannot_publish_holds_no_shard_and_no_mem
             await good.run_once()
         assert bad.owned_shards() == []
         assert len(good.owned_shards()) == 64, "the bad relay is not a member"
-        assert {db.status_of(r) for r in rows} == {EventStatus.PUBLISHED}
+        assert all(db.is_published(r) for r in rows)
         report = bad.health()
         assert report.state == "down" and report.cause is not None
         assert report.cause.startswith("kafka: producer start failed: KafkaConnectionError")

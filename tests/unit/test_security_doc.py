@@ -11,7 +11,12 @@ from ledgerbox.relay._pgstore import REQUIRED_PRIVILEGES
 from tests._roles import doc_grants
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
-RELAY_TABLES = {"outbox": "outbox", "lease": "outbox_relay_lease", "member": "outbox_relay_member"}
+RELAY_TABLES = {
+    "outbox": "outbox",
+    "lease": "outbox_relay_lease",
+    "member": "outbox_relay_member",
+    "tick": "outbox_relay_tick",
+}
 
 
 def test_the_relay_role_has_what_relay_check_requires() -> None:
