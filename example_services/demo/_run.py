@@ -22,6 +22,7 @@ import httpx
 from sqlalchemy.engine import make_url
 
 from example_services._config import drop_database, prepare_database, url_with_database
+from example_services._serve import api_command
 from example_services.demo import checker
 from example_services.demo._drain import DrainState, count, wait_drained
 from example_services.demo._kafka import create_topics, delete_topics, end_offsets, resend_records
@@ -156,10 +157,7 @@ def _define_processes(run: _Run) -> None:
         port = run.ports[service] = free_port()
         metrics_port = run.ports[f"{service}-consumer-metrics"] = free_port()
         specs: dict[str, list[str]] = {
-            f"{service}-api": [
-                *(py, "-m", "uvicorn", "--factory", api, "--host", "127.0.0.1"),
-                *("--port", str(port), "--log-level", "warning", "--no-access-log"),
-            ],
+            f"{service}-api": api_command(api, port, python=py),
             f"{service}-relay": [py, "-m", "ledgerbox.relay", "run"],
             f"{service}-consumer": [
                 *(py, "-m", "ledgerbox.inbox", "run", "--app"),
