@@ -82,6 +82,7 @@ CUSTOMERS = int(os.environ.get("BENCH_PIPELINE_CUSTOMERS", "200"))
 KEEP_LOGS = os.environ.get("BENCH_PIPELINE_KEEP_LOGS")
 PARTITIONS = 6
 DRAIN_TIMEOUT_S = 120.0
+IDLE_S = 5.0
 WALLET_FUNDS = "5000000.00"
 
 _PENDING = sa.text("SELECT count(*) FROM orders WHERE status = 'PENDING'")
@@ -435,6 +436,17 @@ def _measure_rate(pipe: Pipeline, rate: str, seed: int, tmp: Path) -> dict[str, 
     return result
 
 
+def _idle_cpu(pipe: Pipeline, seconds: float) -> dict[str, float]:
+    """% of one core each process kind uses with no load at all (polls, heartbeats, fetches):
+    the fixed cost that a low rate divides among few orders."""
+    meter = pipe.cpu_meter()
+    before, started = meter.ticks(), time.monotonic()
+    time.sleep(seconds)
+    used = CpuMeter.seconds(before, meter.ticks())
+    elapsed = time.monotonic() - started
+    return {k: round(v / elapsed * 100, 1) for k, v in sorted(used.items()) if v}
+
+
 def _split_hops(rates: Iterable[dict[str, Any]], pipe: Pipeline) -> None:
     """Add the relay / consumer split of each hop from the topics' append times."""
     placed = asyncio.run(_append_times(pipe.orders_topic))
@@ -467,6 +479,7 @@ def _round(index: int, tmp: Path) -> list[dict[str, Any]]:
         # Warm-up: connections, leases, consumer groups and caches settled, fully drained.
         _load(pipe, "50", 3, 10_000 + index, tmp / f"warm-{index}.json")
         pipe.wait_drained()
+        idle = _idle_cpu(pipe, IDLE_S)
         for k, rate in enumerate(RATES):
             measured = _measure_rate(pipe, rate, 1000 * index + k, tmp)
             rates.append(measured)
@@ -477,6 +490,8 @@ def _round(index: int, tmp: Path) -> list[dict[str, Any]]:
                 flush=True,
             )
         _split_hops(rates, pipe)
+        for r in rates:
+            r["idle_cpu_pct"] = idle
     finally:
         pipe.stop()
         if KEEP_LOGS:
@@ -521,10 +536,18 @@ def run() -> dict[str, Any]:
                 [r[key] for r in per]
             )
         kinds = sorted({kind for r in per for kind in r["cpu_s_per_1000"]})
+        result[f"demo_pipeline_{rate}_cpu_s_per_1000_total"] = median(
+            [sum(r["cpu_s_per_1000"].values()) for r in per]
+        )
         result[f"demo_pipeline_{rate}_cpu_s_per_1000"] = {
             kind: round(median([r["cpu_s_per_1000"].get(kind, 0.0) for r in per]), 3)
             for kind in kinds
         }
+    idle = [r[0]["idle_cpu_pct"] for r in rounds if r]
+    kinds = sorted({kind for i in idle for kind in i})
+    result["demo_pipeline_idle_cpu_pct"] = {
+        kind: median([i.get(kind, 0.0) for i in idle]) for kind in kinds
+    }
     if "max" in RATES:
         result["demo_pipeline_max_orders_per_s"] = result["demo_pipeline_max_sustained"]
     return result
