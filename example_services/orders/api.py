@@ -7,6 +7,7 @@ writes the order (``PENDING``) and its ``OrderPlaced`` event in ONE transaction 
 - ``200``: a retry with an already used key: the first order is returned, nothing is written.
 - ``400``: ``Idempotency-Key`` missing or not 1..128 visible ASCII characters.
 - ``422``: invalid body, or the key was already used for a different order.
+- ``503``: the database cannot be reached right now; retry with the same key.
 
 ``GET /orders/{id}``: the order (``404`` if unknown). ``GET /health``, ``GET /metrics``.
 
