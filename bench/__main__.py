@@ -23,6 +23,7 @@ BENCHES: dict[str, str] = {
     "relay_drain": "bench.relay_drain",
     "inbox_apply": "bench.inbox_apply",
     "e2e_latency": "bench.e2e_latency",
+    "demo_pipeline": "bench.demo_pipeline",
     "peers": "bench.peers",
 }
 
@@ -40,6 +41,9 @@ TARGETS: dict[str, tuple[str, float]] = {
     "write_overhead_order_tx": ("<=", 1.15),
     "inbox_vs_plain_ratio": (">=", 0.7),
     "relay_peak_rss_mb": ("<=", 100.0),
+    "demo_pipeline_max_orders_per_s": (">=", 400.0),
+    "demo_pipeline_100_p50_ms": ("<=", 30.0),
+    "demo_pipeline_100_p99_ms": ("<=", 150.0),
 }
 
 
@@ -56,6 +60,12 @@ CONTEXT = (
     "e2e_light_p99_ms",
     "inbox_events_per_s",
     "plain_consumer_events_per_s",
+    "demo_pipeline_max_api",
+    "demo_pipeline_500_sustained",
+    "demo_pipeline_500_p50_ms",
+    "demo_pipeline_200_p50_ms",
+    "demo_pipeline_200_p99_ms",
+    "demo_pipeline_100_http_p99_ms",
 )
 
 

@@ -21,7 +21,9 @@ from typing import Any
 import httpx
 from sqlalchemy.engine import make_url
 
+from example_services._client import HttpPool
 from example_services._config import drop_database, prepare_database, url_with_database
+from example_services._serve import api_command
 from example_services.demo import checker
 from example_services.demo._drain import DrainState, count, wait_drained
 from example_services.demo._kafka import create_topics, delete_topics, end_offsets, resend_records
@@ -156,10 +158,7 @@ def _define_processes(run: _Run) -> None:
         port = run.ports[service] = free_port()
         metrics_port = run.ports[f"{service}-consumer-metrics"] = free_port()
         specs: dict[str, list[str]] = {
-            f"{service}-api": [
-                *(py, "-m", "uvicorn", "--factory", api, "--host", "127.0.0.1"),
-                *("--port", str(port), "--log-level", "warning", "--no-access-log"),
-            ],
+            f"{service}-api": api_command(api, port, python=py),
             f"{service}-relay": [py, "-m", "ledgerbox.relay", "run"],
             f"{service}-consumer": [
                 *(py, "-m", "ledgerbox.inbox", "run", "--app"),
@@ -287,18 +286,14 @@ async def _faults(run: _Run, progress: Progress, rng: random.Random) -> None:
 
 
 async def _mid_run_topups(
-    run: _Run, client: httpx.AsyncClient, progress: Progress, stats: LoadStats, rng: random.Random
+    run: _Run, payments: HttpPool, progress: Progress, stats: LoadStats, rng: random.Random
 ) -> None:
     """Top-ups while orders are being paid: they race the consumer on the wallet version."""
     await progress.reached(0.5)
-    url = f"http://127.0.0.1:{run.ports['payment']}"
     chosen = rng.sample(customer_ids(run.opts.customers), max(1, run.opts.customers // 4))
     amount = Decimal("50.00")
     await asyncio.gather(
-        *(
-            top_up(client, url, c, amount, f"{run.run_id}-mid-{c}", stats, replay=True)
-            for c in chosen
-        )
+        *(top_up(payments, c, amount, f"{run.run_id}-mid-{c}", stats, replay=True) for c in chosen)
     )
 
 
@@ -508,20 +503,12 @@ async def run_demo(opts: DemoOptions) -> int:
         balances = plan_balances(rng, plans, customers)
         stats = LoadStats()
         progress = Progress(total=len(plans))
-        limits = httpx.Limits(max_connections=opts.concurrency + 8)
-        async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
-            payment_url = f"http://127.0.0.1:{run.ports['payment']}"
+        orders_api = HttpPool(run.ports["order"], size=opts.concurrency + 8, timeout_s=30.0)
+        payments_api = HttpPool(run.ports["payment"], size=32, timeout_s=30.0)
+        try:
             await asyncio.gather(
                 *(
-                    top_up(
-                        client,
-                        payment_url,
-                        c,
-                        amount,
-                        f"{run_id}-seed-{c}",
-                        stats,
-                        replay=i < 3,
-                    )
+                    top_up(payments_api, c, amount, f"{run_id}-seed-{c}", stats, replay=i < 3)
                     for i, (c, amount) in enumerate(balances.items())
                 )
             )
@@ -532,8 +519,7 @@ async def run_demo(opts: DemoOptions) -> int:
             load_started = time.monotonic()
             load = asyncio.create_task(
                 place_orders(
-                    client,
-                    f"http://127.0.0.1:{run.ports['order']}",
+                    orders_api,
                     plans,
                     concurrency=opts.concurrency,
                     progress=progress,
@@ -544,8 +530,11 @@ async def run_demo(opts: DemoOptions) -> int:
             await asyncio.gather(
                 load,
                 _faults(run, progress, rng),
-                _mid_run_topups(run, client, progress, stats, rng),
+                _mid_run_topups(run, payments_api, progress, stats, rng),
             )
+        finally:
+            orders_api.close()
+            payments_api.close()
         load_s = stats.elapsed_s
         run.log(
             f"load done in {load_s:.1f} s ({stats.posts} POSTs); waiting for the pipeline to drain"

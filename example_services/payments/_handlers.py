@@ -15,12 +15,60 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from example_services.payments._models import PaymentStatus, payments, wallets
-from ledgerbox.inbox import aupdate_versioned
+from ledgerbox.inbox import VersionConflictError
 from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter, idempotency_key
 
-__all__ = ["SOURCE", "decide", "pay_order", "payment_writer"]
+__all__ = [
+    "DEBIT_AND_RECORD",
+    "INSERT_PAYMENT",
+    "READ_PAYMENT_AND_WALLET",
+    "SOURCE",
+    "decide",
+    "pay_order",
+    "payment_writer",
+]
 
 SOURCE = "/payment-service"
+
+#: The order's payment id (``NULL``: not paid yet) and the customer's wallet (``NULL``s: no
+#: wallet) in ONE round trip instead of two. Parameters: ``order_id``, ``customer_id``.
+READ_PAYMENT_AND_WALLET = sa.text(
+    """
+    SELECT (SELECT p.id FROM payments AS p WHERE p.order_id = :order_id) AS payment_id,
+           w.balance, w.version
+      FROM (SELECT 1) AS one
+      LEFT JOIN wallets AS w ON w.customer_id = :customer_id
+    """
+)
+
+#: Built once: executed with a parameter dict, the statement's compiled form and cache key
+#: are reused (``sa.insert(payments).values(...)`` per event rebuilds both: ~100 us of CPU).
+#: For a failed payment (nothing debited).
+INSERT_PAYMENT = sa.insert(payments)
+
+#: The versioned debit (G5: ``WHERE version = :version``, the version read with the balance)
+#: and the payment row in ONE statement: a data-modifying CTE, one round trip instead of two
+#: (``aupdate_versioned`` then an INSERT). No row back means the version check failed (a
+#: top-up or another order moved the wallet): the caller raises ``VersionConflictError``,
+#: exactly what ``aupdate_versioned`` raises, and the consumer reruns with the new balance.
+#: Parameters: ``customer_id``, ``version``, ``balance_after``, ``id``, ``order_id``,
+#: ``amount``, ``status``, ``event_id``.
+DEBIT_AND_RECORD = sa.text(
+    """
+    WITH debited AS (
+        UPDATE wallets
+           SET balance = :balance_after, version = version + 1, updated_at = now()
+         WHERE customer_id = :customer_id AND version = :version
+        RETURNING customer_id
+    )
+    INSERT INTO payments (id, order_id, customer_id, amount, status, reason, balance_after,
+                          event_id)
+    SELECT :id, :order_id, debited.customer_id, :amount, :status, NULL, :balance_after,
+           :event_id
+      FROM debited
+    RETURNING id
+    """
+)
 
 
 def payment_writer(payments_topic: str) -> OutboxWriter:
@@ -60,43 +108,39 @@ async def pay_order(
     order_id = uuid.UUID(str(event.payload["order_id"]))
     customer_id = str(event.payload["customer_id"])
     amount = Decimal(str(event.payload["amount"]))
-    already = (
-        await session.execute(sa.select(payments.c.id).where(payments.c.order_id == order_id))
-    ).first()
-    if already is not None:
-        return None
-    wallet = (
+    read = (
         await session.execute(
-            sa.select(wallets.c.balance, wallets.c.version).where(
-                wallets.c.customer_id == customer_id
-            )
+            READ_PAYMENT_AND_WALLET, {"order_id": order_id, "customer_id": customer_id}
         )
-    ).first()
-    balance = None if wallet is None else Decimal(wallet.balance)
+    ).one()
+    if read.payment_id is not None:
+        return None
+    balance = None if read.version is None else Decimal(read.balance)
     status, reason = decide(balance, amount)
-    balance_after = balance
-    if status is PaymentStatus.SUCCEEDED and wallet is not None and balance is not None:
-        balance_after = balance - amount
-        await aupdate_versioned(
-            session,
-            wallets,
-            {"customer_id": customer_id},
-            int(wallet.version),
-            {"balance": balance_after, "updated_at": sa.func.now()},
-        )
     payment_id = uuid.uuid4()
-    await session.execute(
-        sa.insert(payments).values(
-            id=payment_id,
-            order_id=order_id,
-            customer_id=customer_id,
-            amount=amount,
-            status=status.value,
-            reason=reason,
-            balance_after=balance_after,
-            event_id=event.event_id,
-        )
-    )
+    row = {
+        "id": payment_id,
+        "order_id": order_id,
+        "customer_id": customer_id,
+        "amount": amount,
+        "status": status.value,
+        "event_id": event.event_id,
+    }
+    if status is PaymentStatus.SUCCEEDED and balance is not None:
+        version = int(read.version)
+        debited = (
+            await session.execute(
+                DEBIT_AND_RECORD, {**row, "version": version, "balance_after": balance - amount}
+            )
+        ).first()
+        if debited is None:
+            raise VersionConflictError(wallets.name, {"customer_id": customer_id}, version)
+    else:
+        await session.execute(INSERT_PAYMENT, {**row, "reason": reason, "balance_after": balance})
+    # ``stage`` only adds the outbox row to the session (no I/O); it is inserted at the
+    # commit's flush. The statements above are Core and text, which never autoflush, so the
+    # rows staged by a whole batch of events go out in ONE multi-row INSERT at commit. (An
+    # ORM-enabled query, ``select(SomeMappedClass)``, would flush them one by one.)
     writer.stage(
         session,
         writer.event(

@@ -5,7 +5,8 @@
 - ``POST /wallets/{customer_id}/top-up`` (header ``Idempotency-Key``, body ``{"amount"}``):
   credits the wallet, creating it at 0 first if missing. ``201`` new top-up; ``200`` retry of
   an already committed top-up (the first result, nothing written); ``400`` key missing or
-  malformed; ``422`` invalid body or key reused with a different amount.
+  malformed; ``422`` invalid body or key reused with a different amount; ``503`` the
+  database cannot be reached right now (retry with the same key).
 - ``GET /health``, ``GET /metrics``.
 
 Run: ``uvicorn --factory example_services.payments.api:create_app``.

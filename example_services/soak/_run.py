@@ -31,6 +31,7 @@ from typing import Any
 from sqlalchemy.engine import make_url
 
 from example_services._config import drop_database, prepare_database, url_with_database
+from example_services._serve import api_command
 from example_services.demo import checker
 from example_services.demo._drain import wait_drained
 from example_services.demo._kafka import create_topics, delete_topics
@@ -203,11 +204,7 @@ def _define_processes(s: _Soak) -> None:
         port = s.proxy_ports[f"{service}-api"]
         s.procs[f"{service}-api"] = ManagedProcess(
             f"{service}-api",
-            [
-                *(py, "-m", "uvicorn", "--factory", f"example_services.{service}s.api:create_app"),
-                *("--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"),
-                "--no-access-log",
-            ],
+            api_command(f"example_services.{service}s.api:create_app", port, python=py),
             {**base, **direct, "DATABASE_URL": db},
             logs / f"{service}-api.log",
         )

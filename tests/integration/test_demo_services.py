@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import socket
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
+import pytest
 import pytest_asyncio
 import sqlalchemy as sa
 from sqlalchemy import Engine
@@ -14,6 +18,7 @@ from sqlalchemy import Engine
 from example_services._config import ServiceSettings
 from example_services.orders.api import create_app as order_app
 from example_services.payments.api import create_app as payment_app
+from ledgerbox.outbox import EventEnvelope
 
 
 @pytest_asyncio.fixture
@@ -139,6 +144,284 @@ async def test_health_and_metrics(orders: httpx.AsyncClient, payments: httpx.Asy
         metrics = await client.get("/metrics")
         assert metrics.status_code == 200
         assert "example_http_requests_total" in metrics.text
+
+
+async def test_metrics_count_requests_by_route_and_status(orders: httpx.AsyncClient) -> None:
+    # The pure ASGI middleware reads the matched route from the scope and the status from
+    # the response start: both must reach the counter, for answers of the endpoint and for
+    # errors raised before it runs (a 404 of the route, a 400 of the key rule).
+    body = {"customer_id": "c-metrics", "amount": "1.00"}
+    assert (
+        await orders.post("/orders", json=body, headers={"Idempotency-Key": f"m-{uuid.uuid4()}"})
+    ).status_code == 201
+    assert (await orders.post("/orders", json=body)).status_code == 400
+    assert (await orders.get(f"/orders/{uuid.uuid4()}")).status_code == 404
+    assert (await orders.get("/no-such-route")).status_code == 404
+    text = (await orders.get("/metrics")).text
+
+    def count(method: str, route: str, status: int) -> float:
+        for line in text.splitlines():
+            if (
+                line.startswith("example_http_requests_total{")
+                and all(f'{k}="{v}"' in line for k, v in (("method", method), ("route", route)))
+                and f'status="{status}"' in line
+            ):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    assert count("POST", "/orders", 201) >= 1
+    assert count("POST", "/orders", 400) >= 1
+    assert count("GET", "/orders/{order_id}", 404) >= 1
+    assert count("GET", "unmatched", 404) >= 1
+    assert 'example_http_request_duration_seconds_count{route="/orders"' in text
+
+
+async def test_place_order_writes_order_event_and_history_in_one_transaction(
+    orders: httpx.AsyncClient, engine: Engine
+) -> None:
+    key = {"Idempotency-Key": f"hist-{uuid.uuid4()}"}
+    body = {"customer_id": "c-hist", "amount": "7.25"}
+    first = await orders.post("/orders", json=body, headers=key)
+    assert first.status_code == 201, first.text
+    order = first.json()
+    assert order["created_at"] and order["closed_at"] is None and order["currency"] == "EUR"
+    assert (await orders.post("/orders", json=body, headers=key)).status_code == 200
+    with engine.connect() as conn:
+        history = conn.execute(
+            sa.text(
+                "SELECT h.event_id, h.event_type, h.from_status, h.to_status,"
+                " h.version_before, h.version_after, h.outcome, o.event_id AS outbox_event_id,"
+                " h.applied_at >= r.created_at AS after_order"
+                " FROM order_events_applied h JOIN outbox o ON o.aggregate_id = :id"
+                " JOIN orders r ON r.id = h.order_id WHERE h.order_id = CAST(:id AS uuid)"
+            ),
+            {"id": order["id"]},
+        ).all()
+    assert len(history) == 1, "one history entry per order, none for the replay"
+    entry = history[0]
+    assert (entry.event_type, entry.from_status, entry.to_status, entry.outcome) == (
+        "OrderPlaced",
+        None,
+        "PENDING",
+        "applied",
+    )
+    assert (entry.version_before, entry.version_after) == (0, 1)
+    assert entry.event_id == entry.outbox_event_id and entry.after_order
+
+
+async def test_database_unreachable_is_503_with_the_retry_hint() -> None:
+    # Nothing listens on the port: the POST's first statement fails to connect. The answer
+    # says what happened and what to do (retry with the same key), never a bare 500.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"postgresql+psycopg://postgres:postgres@127.0.0.1:{port}/nowhere"
+    app = order_app(ServiceSettings(order_database_url=url, migrate_on_start=False))
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://o") as client,
+    ):
+        response = await client.post(
+            "/orders",
+            json={"customer_id": "c1", "amount": "1.00"},
+            headers={"Idempotency-Key": "k-unreachable"},
+        )
+    assert response.status_code == 503, response.text
+    detail = response.json()["detail"]
+    assert "database unavailable" in detail and "same Idempotency-Key" in detail
+
+
+@pytest_asyncio.fixture
+async def payment_tables(payments: httpx.AsyncClient, database_url: str) -> AsyncIterator[str]:
+    # The payment app's startup created the payment tables in ``database_url``.
+    yield database_url
+
+
+def order_placed(customer: str, amount: str, order_id: uuid.UUID | None = None) -> EventEnvelope:
+    oid = order_id or uuid.uuid4()
+    return EventEnvelope(
+        event_id=uuid.uuid4(),
+        idempotency_key=f"k-{uuid.uuid4()}",
+        event_type="OrderPlaced",
+        topic="t.orders",
+        partition_key=customer,
+        source="/test",
+        aggregate_type="order",
+        aggregate_id=str(oid),
+        aggregate_version=1,
+        occurred_at=dt.datetime.now(dt.UTC),
+        payload={"order_id": str(oid), "customer_id": customer, "amount": amount},
+    )
+
+
+async def test_pay_order_batch_debits_once_each_and_stages_results_in_one_insert(
+    payments: httpx.AsyncClient, payment_tables: str, engine: Engine
+) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from example_services.payments._handlers import pay_order, payment_writer
+    from example_services.payments._models import PaymentStatus
+
+    customer = f"c-{uuid.uuid4().hex[:8]}"
+    assert (
+        await payments.post(
+            f"/wallets/{customer}/top-up",
+            json={"amount": "20.00"},
+            headers={"Idempotency-Key": "f"},
+        )
+    ).status_code == 201
+    writer = payment_writer("t.payments")
+    events = [order_placed(customer, "5.00") for _ in range(3)] + [order_placed(customer, "9.00")]
+    outbox_inserts: list[str] = []
+    async_engine = create_async_engine(payment_tables)
+
+    def note(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if statement.lstrip().upper().startswith("INSERT INTO OUTBOX"):
+            outbox_inserts.append(statement)
+
+    sa.event.listen(async_engine.sync_engine, "before_cursor_execute", note)
+    try:
+        async with AsyncSession(async_engine) as session, session.begin():
+            outcomes = [await pay_order(session, event, writer) for event in events]
+        # A second delivery of the first order under a new event id: nothing is written.
+        again = order_placed(customer, "5.00", uuid.UUID(events[0].payload["order_id"]))
+        async with AsyncSession(async_engine) as session, session.begin():
+            assert await pay_order(session, again, writer) is None
+    finally:
+        await async_engine.dispose()
+    assert outcomes == [PaymentStatus.SUCCEEDED] * 3 + [PaymentStatus.FAILED]
+    # The handler's statements are Core / text (no autoflush): the four staged results go
+    # out in ONE multi-row INSERT at commit, not one round trip per event.
+    assert len(outbox_inserts) == 1, outbox_inserts
+    wallet = (await payments.get(f"/wallets/{customer}")).json()
+    assert wallet["balance"] == "5.00" and wallet["version"] == 4  # top-up + 3 debits
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT p.status, p.reason, p.balance_after, o.event_type FROM payments p"
+                " JOIN outbox o ON o.aggregate_id = p.id::text"
+                " WHERE p.customer_id = :c ORDER BY p.created_at, p.balance_after DESC"
+            ),
+            {"c": customer},
+        ).all()
+    assert [(r.status, r.reason, str(r.balance_after), r.event_type) for r in rows] == [
+        ("SUCCEEDED", None, "15.00", "PaymentSucceeded"),
+        ("SUCCEEDED", None, "10.00", "PaymentSucceeded"),
+        ("SUCCEEDED", None, "5.00", "PaymentSucceeded"),
+        ("FAILED", "insufficient funds", "5.00", "PaymentFailed"),
+    ]
+
+
+async def test_pay_order_without_a_wallet_fails_the_payment(
+    payments: httpx.AsyncClient, payment_tables: str
+) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from example_services.payments._handlers import pay_order, payment_writer
+    from example_services.payments._models import PaymentStatus
+
+    event = order_placed(f"c-{uuid.uuid4().hex[:8]}", "1.00")
+    async_engine = create_async_engine(payment_tables)
+    try:
+        async with AsyncSession(async_engine) as session, session.begin():
+            outcome = await pay_order(session, event, payment_writer("t.payments"))
+    finally:
+        await async_engine.dispose()
+    assert outcome is PaymentStatus.FAILED
+    payment = (await payments.get(f"/payments/{event.payload['order_id']}")).json()
+    assert payment["status"] == "FAILED" and payment["reason"] == "no wallet"
+    assert payment["balance_after"] is None
+
+
+def bump_version_before(
+    async_engine: Any, engine: Engine, marker: str, sql: str, params: dict[str, Any]
+) -> None:
+    """Before the statement containing ``marker`` runs, commit ``sql`` from another
+    connection: the row the handler read moves to a new version under its feet."""
+
+    def race(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if marker in statement:
+            with engine.begin() as other:
+                other.execute(sa.text(sql), params)
+
+    sa.event.listen(async_engine.sync_engine, "before_cursor_execute", race)
+
+
+async def test_pay_order_on_a_wallet_changed_since_read_is_a_version_conflict(
+    payments: httpx.AsyncClient, payment_tables: str, engine: Engine
+) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from example_services.payments._handlers import pay_order, payment_writer
+    from ledgerbox.inbox import VersionConflictError
+
+    customer = f"c-{uuid.uuid4().hex[:8]}"
+    await payments.post(
+        f"/wallets/{customer}/top-up", json={"amount": "10.00"}, headers={"Idempotency-Key": "t"}
+    )
+    event = order_placed(customer, "4.00")
+    async_engine = create_async_engine(payment_tables)
+    bump_version_before(
+        async_engine,
+        engine,
+        "WITH debited AS",
+        "UPDATE wallets SET balance = balance + 1, version = version + 1 WHERE customer_id = :c",
+        {"c": customer},
+    )
+    try:
+        with pytest.raises(VersionConflictError) as raised:
+            async with AsyncSession(async_engine) as session, session.begin():
+                await pay_order(session, event, payment_writer("t.payments"))
+    finally:
+        await async_engine.dispose()
+    assert raised.value.table == "wallets" and raised.value.expected_version == 1
+    assert raised.value.key == {"customer_id": customer}
+    # Nothing of the losing attempt stays: only the racing credit moved the wallet.
+    wallet = (await payments.get(f"/wallets/{customer}")).json()
+    assert wallet["balance"] == "11.00" and wallet["version"] == 2
+    assert (await payments.get(f"/payments/{event.payload['order_id']}")).status_code == 404
+
+
+async def test_payment_result_on_an_order_changed_since_read_is_a_version_conflict(
+    orders: httpx.AsyncClient, database_url: str, engine: Engine
+) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from example_services.orders._handlers import apply_payment_result
+    from ledgerbox.inbox import VersionConflictError
+
+    placed = await orders.post(
+        "/orders",
+        json={"customer_id": "c-race", "amount": "2.00"},
+        headers={"Idempotency-Key": f"race-{uuid.uuid4()}"},
+    )
+    order_id = placed.json()["id"]
+    result = order_placed("c-race", "2.00", uuid.UUID(order_id)).model_copy(
+        update={"event_type": "PaymentSucceeded"}
+    )
+    async_engine = create_async_engine(database_url)
+    bump_version_before(
+        async_engine,
+        engine,
+        "WITH moved AS",
+        "UPDATE orders SET version = version + 1 WHERE id = CAST(:id AS uuid)",
+        {"id": order_id},
+    )
+    try:
+        with pytest.raises(VersionConflictError) as raised:
+            async with AsyncSession(async_engine) as session, session.begin():
+                await apply_payment_result(session, result)
+    finally:
+        await async_engine.dispose()
+    assert raised.value.table == "orders" and raised.value.expected_version == 1
+    order = (await orders.get(f"/orders/{order_id}")).json()
+    assert order["status"] == "PENDING" and order["version"] == 2 and order["closed_at"] is None
+    with engine.connect() as conn:
+        entries = conn.execute(
+            sa.text("SELECT count(*) FROM order_events_applied WHERE order_id = CAST(:id AS uuid)"),
+            {"id": order_id},
+        ).scalar_one()
+    assert entries == 1  # OrderPlaced only: the losing attempt wrote no history
 
 
 async def test_late_payment_result_never_moves_an_order_backwards(
