@@ -112,6 +112,12 @@ def _config(values: Values) -> RelayConfig:
         RELAY_SETTINGS.fail(exc, merged)
 
 
+def _database_config(values: Values) -> RelayConfig:
+    """:func:`_config` for the commands that read or change the database only (``status``,
+    ``rebase``): no Kafka address is needed, nor used, so none is required."""
+    return _config({**values, "kafka_bootstrap_servers": "unused-by-database-commands:0"})
+
+
 @RELAY_SETTINGS.typer_command(app, "run", [*_CONFIG_FIELDS, *KAFKA_SETTING_NAMES, *_DAEMON])
 def run(values: Values, ctx: typer.Context) -> None:
     """Run the relay until SIGTERM or SIGINT; exit 0 after a clean shutdown."""
@@ -181,8 +187,7 @@ async def _check(config: RelayConfig) -> CheckResult:
 )
 def status(values: Values, ctx: typer.Context) -> None:
     """Pending count, oldest pending age, dead count and the shard owners."""
-    # status reads the database only: no Kafka address is needed (nor used).
-    config = _config({**values, "kafka_bootstrap_servers": "unused-by-status:0"})
+    config = _database_config(values)
 
     async def read() -> None:
         store = pg_store_factory(config)("status")
@@ -230,7 +235,7 @@ def rebase(values: Values, ctx: typer.Context) -> None:
     """Re-seat every shard's cursor after a restore (relays stopped): each event the old
     cursor had not passed, or created after its last persist minus --margin-s, is published
     again, once, in per-key id order (docs/relay.md, 'Restore and rebase')."""
-    config = _config(values)
+    config = _database_config(values)
 
     async def go() -> int:
         store = pg_store_factory(config)("rebase")

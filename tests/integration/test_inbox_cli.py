@@ -8,7 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ledgerbox._core.names import SCHEMA_REVISIONS
+
 REPO = Path(__file__).resolve().parents[2]
+
+
+HEAD = SCHEMA_REVISIONS[-1]  # the revision this version needs
 
 
 def free_port() -> int:
@@ -95,8 +100,8 @@ def test_failsafe_01_check_names_the_cause_and_the_fix(
 
     _sql(url, "UPDATE ledgerbox_alembic_version SET version_num = '0000'")
     code, line = check("--database-url", url, *kafka)
-    assert code == 2 and "is at revision 0000, this version needs 0001" in line, line
-    _sql(url, "UPDATE ledgerbox_alembic_version SET version_num = '0001'")
+    assert code == 2 and f"is at revision 0000, this version needs {HEAD}" in line, line
+    _sql(url, f"UPDATE ledgerbox_alembic_version SET version_num = '{HEAD}'")  # noqa: S608 (a constant)
 
     role = f"fs_chk_{uuid.uuid4().hex[:8]}"
     _sql(

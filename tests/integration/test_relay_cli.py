@@ -9,7 +9,10 @@ import time
 
 from sqlalchemy import Engine, text
 
+from ledgerbox._core.names import SCHEMA_REVISIONS
 from tests import _relay_support as rs
+
+HEAD = SCHEMA_REVISIONS[-1]  # the revision this version needs
 
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -27,7 +30,7 @@ def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_check_exit_code_follows_health(database_url: str, kafka_bootstrap: str) -> None:
     ok = _cli("check", DATABASE_URL=database_url, KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert ok.stdout.strip() == "relay ok: database ok (schema 0001), kafka ok (1 broker)"
+    assert ok.stdout.strip() == f"relay ok: database ok (schema {HEAD}), kafka ok (1 broker)"
     bad = _cli("check", "--kafka-bootstrap-servers", "127.0.0.1:1", DATABASE_URL=database_url)
     assert bad.returncode == 2
     (line,) = bad.stdout.strip().splitlines()
