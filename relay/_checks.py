@@ -13,7 +13,7 @@ import asyncio
 from dataclasses import dataclass
 
 from ledgerbox._core.faults import Fault, login_refused
-from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka
+from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka, unreachable
 from ledgerbox._core.names import SCHEMA_REVISION, SCHEMA_REVISIONS
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import PublishError, StoreError
@@ -101,9 +101,7 @@ async def check_relay(
             problems.append(
                 Problem(
                     False,
-                    f"Kafka is unreachable at {servers} (no bootstrap server accepts "
-                    "connections): start it, or fix --kafka-bootstrap-servers / "
-                    "KAFKA_BOOTSTRAP_SERVERS",
+                    unreachable(servers),
                 )
             )
         else:
@@ -229,6 +227,5 @@ def _kafka_problem(config: RelayConfig, exc: PublishError) -> Problem:
         return Problem(False, f"Kafka refused access ({exc}): grant the relay's principal")
     return Problem(
         False,
-        f"Kafka is unreachable at {config.kafka_settings.bootstrap_servers} ({exc}): start it, "
-        "or fix --kafka-bootstrap-servers / KAFKA_BOOTSTRAP_SERVERS",
+        unreachable(config.kafka_settings.bootstrap_servers, str(exc)),
     )

@@ -21,7 +21,7 @@ from typing import Any
 
 from ledgerbox._core.kafka import KafkaSettings
 
-__all__ = ["LOGIN_REFUSED", "KafkaProblem", "probe_kafka"]
+__all__ = ["LOGIN_REFUSED", "KafkaProblem", "probe_kafka", "unreachable"]
 
 #: aiokafka error kinds that mean the broker refused our login: waiting will not fix them.
 LOGIN_REFUSED = frozenset(
@@ -33,6 +33,18 @@ LOGIN_REFUSED = frozenset(
         "IllegalSaslStateError",
     }
 )
+
+
+def unreachable(servers: str, detail: str = "no bootstrap server accepts connections") -> str:
+    """The ONE line every command and daemon prints when no broker of ``servers`` answers:
+    ``"Kafka is unreachable at <servers> (<detail>): start it, or fix
+    --kafka-bootstrap-servers / KAFKA_BOOTSTRAP_SERVERS"`` (docs/security.md, "What you see
+    when a setting is wrong")."""
+    return (
+        f"Kafka is unreachable at {servers} ({detail}): start it, or fix "
+        "--kafka-bootstrap-servers / KAFKA_BOOTSTRAP_SERVERS"
+    )
+
 
 # Seconds before a "closed after the TLS handshake" is looked at a second time: a broker
 # that restarts closes connections too, a listener that refuses us does it every time.
@@ -98,8 +110,7 @@ async def probe_kafka(settings: KafkaSettings, timeout_s: float = 10.0) -> Kafka
         return KafkaProblem(
             False,
             "Unreachable",
-            f"kafka unreachable at {settings.bootstrap_servers}: no bootstrap server accepts "
-            "connections: start it or fix kafka_bootstrap_servers",
+            unreachable(settings.bootstrap_servers),
         )
     return found[0]
 

@@ -703,7 +703,7 @@ async def test_failsafe_06_run_waits_for_unreachable_kafka_in_one_line(
     assert code == 0, text
     assert "Traceback" not in text, text
     down = [line for line in text.splitlines() if " down: " in line]
-    assert len(down) == 1 and "kafka unreachable at 127.0.0.1:" in down[0], text
+    assert len(down) == 1 and "Kafka is unreachable at 127.0.0.1:" in down[0], text
     assert "up again" not in text  # stopped while waiting: not fixed
     assert "ERROR aiokafka" not in text  # no client line per refused connection
 

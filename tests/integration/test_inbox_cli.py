@@ -159,3 +159,23 @@ def test_check_with_an_app_accepts_a_missing_topic_the_broker_will_create(
         timeout=120,
     )
     assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr
+
+
+def test_relay_and_consumer_name_an_unreachable_kafka_in_the_same_words(
+    database_url: str,
+) -> None:
+    """Every command and daemon says "Kafka is unreachable" in ONE phrasing with the same fix
+    (ledgerbox._core.kafka_probe.unreachable); the relay and the consumer used to print two."""
+    dead = f"127.0.0.1:{free_port()}"
+    code, consumer_line = check("--database-url", database_url, "--kafka-bootstrap-servers", dead)
+    relay = subprocess.run(
+        [sys.executable, "-m", "ledgerbox.relay", "check", "--database-url", database_url,
+         "--kafka-bootstrap-servers", dead],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    expected = (
+        f"Kafka is unreachable at {dead} (no bootstrap server accepts connections): start it, "
+        "or fix --kafka-bootstrap-servers / KAFKA_BOOTSTRAP_SERVERS"
+    )
+    assert (code, consumer_line) == (2, f"down: {expected}")
+    assert (relay.returncode, relay.stdout.strip()) == (2, f"relay down: {expected}")
