@@ -10,7 +10,7 @@ from typing import Literal
 from ledgerbox._core.backoff import Backoff
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import sql_identifier
-from ledgerbox._core.kafka import KafkaSettings
+from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
 from ledgerbox._core.redaction import remember_url
 
 __all__ = ["DEFAULT_RETENTION_S", "ConsumerConfig", "OnUnhandled"]
@@ -170,22 +170,7 @@ class ConsumerConfig:
             raise ConfigurationError("group_id must not be empty")
         remember_url(self.database_url)
         remember_url(self.redis_url)
-        kafka = self.kafka
-        if kafka is None:
-            if not self.kafka_bootstrap_servers:
-                raise ConfigurationError(
-                    "kafka_bootstrap_servers must not be empty (or give kafka=KafkaSettings(...))",
-                    setting="kafka_bootstrap_servers",
-                )
-            kafka = KafkaSettings(bootstrap_servers=self.kafka_bootstrap_servers)
-        elif self.kafka_bootstrap_servers and self.kafka_bootstrap_servers.replace(
-            " ", ""
-        ) != kafka.bootstrap_servers.replace(" ", ""):
-            raise ConfigurationError(
-                "kafka_bootstrap_servers and kafka.bootstrap_servers differ: give one",
-                setting="kafka_bootstrap_servers",
-            )
-        object.__setattr__(self, "_kafka", kafka)
+        object.__setattr__(self, "_kafka", resolve_kafka(self.kafka, self.kafka_bootstrap_servers))
         if self.redis_ssl_cafile is not None:
             if self.redis_url is None or not self.redis_url.startswith("rediss://"):
                 raise ConfigurationError(

@@ -10,7 +10,7 @@ from typing import Literal
 
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import sql_identifier
-from ledgerbox._core.kafka import KafkaSettings
+from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
 from ledgerbox._core.redaction import remember_url
 
@@ -134,23 +134,7 @@ class RelayConfig:
     def __post_init__(self) -> None:
         _check(bool(self.database_url), "database_url", "must not be empty")
         remember_url(self.database_url)
-        kafka = self.kafka
-        if kafka is None:
-            _check(
-                bool(self.kafka_bootstrap_servers), "kafka_bootstrap_servers", "must not be empty"
-            )
-            try:
-                kafka = KafkaSettings(bootstrap_servers=self.kafka_bootstrap_servers)
-            except ConfigurationError as exc:
-                raise ConfigurationError(str(exc), setting="kafka_bootstrap_servers") from None
-        elif self.kafka_bootstrap_servers and self.kafka_bootstrap_servers.replace(
-            " ", ""
-        ) != kafka.bootstrap_servers.replace(" ", ""):
-            raise ConfigurationError(
-                "kafka_bootstrap_servers and kafka.bootstrap_servers differ: give one",
-                setting="kafka_bootstrap_servers",
-            )
-        object.__setattr__(self, "_kafka", kafka)
+        object.__setattr__(self, "_kafka", resolve_kafka(self.kafka, self.kafka_bootstrap_servers))
         _identifier(self.outbox_table, "outbox_table", "outbox table name")
         if self.schema is not None:
             _identifier(self.schema, "schema", "schema")

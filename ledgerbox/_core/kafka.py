@@ -43,6 +43,7 @@ __all__ = [
     "SaslMechanism",
     "SecurityProtocol",
     "cli_settings",
+    "resolve_kafka",
 ]
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
@@ -436,6 +437,39 @@ def cli_settings() -> list[Setting]:
             "factory of one), for OAUTHBEARER",
         ),
     ]
+
+
+def resolve_kafka(kafka: KafkaSettings | None, bootstrap_servers: str | None) -> KafkaSettings:
+    """The Kafka settings of a daemon's config that has both a ``kafka`` object and the plain
+    ``kafka_bootstrap_servers`` string (the relay's and the consumer's configs).
+
+    Returns ``kafka`` when given, else plaintext settings for ``bootstrap_servers``.
+
+    Raises
+    ------
+    ConfigurationError
+        ``setting="kafka_bootstrap_servers"``: neither is given (an unset variable must never
+        mean a default broker: issue 12), ``bootstrap_servers`` names no ``host:port``, or
+        both are given and name different servers.
+    """
+    if kafka is None:
+        if not bootstrap_servers:
+            raise ConfigurationError(
+                "kafka_bootstrap_servers must not be empty (or give kafka=KafkaSettings(...))",
+                setting="kafka_bootstrap_servers",
+            )
+        try:
+            return KafkaSettings(bootstrap_servers=bootstrap_servers)
+        except ConfigurationError as exc:
+            raise ConfigurationError(str(exc), setting="kafka_bootstrap_servers") from None
+    if bootstrap_servers and bootstrap_servers.replace(" ", "") != kafka.bootstrap_servers.replace(
+        " ", ""
+    ):
+        raise ConfigurationError(
+            "kafka_bootstrap_servers and kafka.bootstrap_servers differ: give one",
+            setting="kafka_bootstrap_servers",
+        )
+    return kafka
 
 
 def _import_provider(reference: str) -> AbstractTokenProvider:
