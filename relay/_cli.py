@@ -41,6 +41,7 @@ from ledgerbox.relay._pgstore import pg_store_factory
 from ledgerbox.relay._policy import shard_ranges
 from ledgerbox.relay._publisher import KafkaPublisher
 from ledgerbox.relay._relay import Relay
+from ledgerbox.relay._status import UNUSED_KAFKA, relay_stats
 
 __all__ = ["RELAY_SETTINGS", "app", "main"]
 
@@ -115,7 +116,7 @@ def _config(values: Values) -> RelayConfig:
 def _database_config(values: Values) -> RelayConfig:
     """:func:`_config` for the commands that read or change the database only (``status``,
     ``rebase``): no Kafka address is needed, nor used, so none is required."""
-    return _config({**values, "kafka_bootstrap_servers": "unused-by-database-commands:0"})
+    return _config({**values, "kafka_bootstrap_servers": UNUSED_KAFKA})
 
 
 @RELAY_SETTINGS.typer_command(app, "run", [*_CONFIG_FIELDS, *KAFKA_SETTING_NAMES, *_DAEMON])
@@ -190,11 +191,12 @@ def status(values: Values, ctx: typer.Context) -> None:
     config = _database_config(values)
 
     async def read() -> None:
-        store = pg_store_factory(config)("status")
-        try:
-            stats = await store.stats(config.shard_count)
-        finally:
-            await store.aclose()
+        stats = await relay_stats(
+            config.database_url,
+            outbox_table=config.outbox_table,
+            schema=config.schema,
+            shard_count=config.shard_count,
+        )
         age = stats.oldest_pending_age_s
         typer.echo(f"pending: {stats.pending}")
         typer.echo(f"oldest pending age s: {'-' if age is None else f'{age:.1f}'}")

@@ -474,6 +474,8 @@ async def run_soak(opts: SoakOptions) -> int:
         monitor = Monitor(
             order_dsn=_libpq(s.order_db),
             payment_dsn=_libpq(s.payment_db),
+            order_url=s.order_db,
+            payment_url=s.payment_db,
             stats=load.stats,
             active_faults=injector.active_kinds,
             faults_done=lambda: sum(1 for r in injector.records if r.ended is not None),

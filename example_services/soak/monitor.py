@@ -27,6 +27,7 @@ import psycopg
 
 from example_services.demo.checker import check_retries_returned_first
 from example_services.soak.load import LoadStats
+from ledgerbox.relay import StoreError, relay_stats
 
 __all__ = ["Monitor", "Sample"]
 
@@ -35,7 +36,6 @@ _ORDERS = (
     " extract(epoch FROM min(created_at) FILTER (WHERE status = 'PENDING'))"
     " FROM orders"
 )
-_PENDING_OUTBOX = "SELECT count(*) FROM outbox WHERE status = 0"
 _WALLET_MISMATCHES = """
 SELECT count(*) FROM (
   SELECT w.customer_id, w.balance,
@@ -75,6 +75,8 @@ class Sample:
 class Monitor:
     order_dsn: str
     payment_dsn: str
+    order_url: str  # SQLAlchemy URLs of the same databases (for ledgerbox.relay.relay_stats)
+    payment_url: str
     stats: LoadStats
     active_faults: Callable[[], list[str]]
     faults_done: Callable[[], int]
@@ -142,10 +144,17 @@ class Monitor:
         if row is not None:
             s.orders, s.pending = int(row[0]), int(row[1])
             s.oldest_pending_age_s = 0.0 if row[2] is None else max(0.0, s.t - float(row[2]))
-        row = await self._query("order", self.order_dsn, _PENDING_OUTBOX)
-        s.outbox_order = None if row is None else int(row[0])
-        row = await self._query("payment", self.payment_dsn, _PENDING_OUTBOX)
-        s.outbox_payment = None if row is None else int(row[0])
+        s.outbox_order = await self._pending_outbox(self.order_url)
+        s.outbox_payment = await self._pending_outbox(self.payment_url)
+
+    async def _pending_outbox(self, url: str) -> int | None:
+        """The relay's own pending count (its shards' cursors: a published row keeps
+        ``status = 0``), or ``None`` while the database cannot answer."""
+        try:
+            stats = await asyncio.wait_for(relay_stats(url), 3.0)
+        except (StoreError, TimeoutError, OSError):
+            return None
+        return stats.pending
 
     async def _online_checks(self) -> None:
         checks = {

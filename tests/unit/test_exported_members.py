@@ -54,9 +54,11 @@ PUBLIC: dict[str, list[str]] = {
         "RelayConfig",
         "RelayError",
         "RelayHooks",
+        "RelayStats",
         "RelayTables",
         "Secret",
         "StoreError",
+        "relay_stats",
     ],
     "ledgerbox.relay.testing": ["InMemoryPublisher", "InMemoryRelayStore"],
     "ledgerbox.inbox": [

@@ -77,10 +77,16 @@ def test_clean_world_passes_every_check() -> None:
 
 def test_no_event_lost_names_the_stage_where_it_stopped() -> None:
     w = _world()
-    pending = [OutboxRow(P[0], "OrderPlaced", 0, "x", ORDERS[0]), *w.order_outbox[1:]]
-    assert "still has outbox status 0" in _lost(w, order_outbox=pending).examples[0]
+    # Under the snapshot cursor a published row keeps status 0: on its topic, it is fine.
+    cursor = [replace(r, status=0) for r in w.order_outbox]
+    assert _lost(w, order_outbox=cursor).ok
+    dead = [OutboxRow(P[0], "OrderPlaced", 2, "x", ORDERS[0]), *cursor[1:]]
+    assert "has outbox status 2" in _lost(w, order_outbox=dead).examples[0]
+    held = [*cursor[:2], OutboxRow(P[2], "OrderPlaced", 3, "x", ORDERS[2])]
+    assert "has outbox status 3" in _lost(w, order_outbox=held).examples[0]
     missing = w.orders_topic[1:]
-    assert "not on its topic" in _lost(w, orders_topic=missing).examples[0]
+    result = _lost(w, order_outbox=cursor, orders_topic=missing)
+    assert result.violations == 1 and "committed but not on its topic" in result.examples[0]
     unpaid = w.effects[1:]
     result = _lost(w, effects=unpaid)
     assert not result.ok and "has no payment" in result.examples[0]
