@@ -148,6 +148,24 @@ def _database_problem(exc: StoreError) -> Problem:
     return Problem(False, f"the database is unreachable ({exc}): start it or fix the URL's host")
 
 
+def _grant_line(config: RelayConfig, report: SchemaReport) -> str:
+    """``role "r" lacks UPDATE, DELETE on outbox: GRANT UPDATE, DELETE ON outbox TO "r"``: the
+    missing privileges (``"<privilege> on <table>"``) grouped per table, with the statements
+    that fix them (the same form as the consumer's check; docs/security.md, "Least
+    privilege")."""
+    per_table: dict[str, list[str]] = {}
+    for item in report.missing_privileges:
+        privilege, _, table = item.partition(" on ")
+        per_table.setdefault(table, []).append(privilege)
+    role = f'"{report.role}"' if report.role else "the relay's role"
+    prefix = f"{config.schema}." if config.schema else ""
+    lacks = " and ".join(f"{', '.join(p)} on {t}" for t, p in per_table.items())
+    grants = "; ".join(
+        f"GRANT {', '.join(p)} ON {prefix}{t} TO {role}" for t, p in per_table.items()
+    )
+    return f"role {role} lacks {lacks}: {grants}"
+
+
 def _schema_problems(config: RelayConfig, report: SchemaReport) -> list[Problem]:
     where = f"schema {config.schema}" if config.schema else "the search path"
     problems: list[Problem] = []
@@ -182,13 +200,7 @@ def _schema_problems(config: RelayConfig, report: SchemaReport) -> list[Problem]
             )
         )
     if report.missing_privileges:
-        problems.append(
-            Problem(
-                False,
-                f"the relay's database role lacks {', '.join(report.missing_privileges)}: "
-                "GRANT them (docs/relay.md, 'Health')",
-            )
-        )
+        problems.append(Problem(False, _grant_line(config, report)))
     if report.read_only:
         problems.append(
             Problem(

@@ -502,7 +502,8 @@ WHERE to_regclass(t.qualified) IS NOT NULL
 """
 SCHEMA_SESSION: LiteralString = """
 SELECT current_setting('transaction_read_only') = 'on',
-  coalesce(has_table_privilege(to_regclass(%(version_table)s), 'SELECT'), false)
+  coalesce(has_table_privilege(to_regclass(%(version_table)s), 'SELECT'), false),
+  current_user
 """
 SCHEMA_VERSION_NUM: LiteralString = "SELECT version_num FROM {version_table}"
 # Topics of rows not yet published (a sample: relay check tells missing topics apart).
@@ -1032,7 +1033,7 @@ class PgRelayStore:
             },
             "schema check",
         )
-        ((read_only, versioned),) = await self._fetch(
+        ((read_only, versioned, role),) = await self._fetch(
             SCHEMA_SESSION, {"version_table": self._qualified["version_table"]}, "schema check"
         )
         revision = None
@@ -1040,7 +1041,10 @@ class PgRelayStore:
             found = await self._fetch(SCHEMA_VERSION_NUM, {}, "schema check")
             revision = str(found[0][0]) if found else ""
         topics: list[str] = []
-        if present.get("outbox") and not {"status", "topic"} - columns["outbox"]:
+        # Waiting topics only where the role may read the outbox: a refused SELECT is reported
+        # as a missing privilege (with the GRANT), not as the check's own failure.
+        readable = not any(r == "outbox" and p == "SELECT" and not ok for r, p, ok in privileges)
+        if present.get("outbox") and readable and not {"status", "topic"} - columns["outbox"]:
             topics = [str(t) for (t,) in await self._fetch(PENDING_TOPICS, {}, "schema check")]
         return SchemaReport(
             missing_tables=[names[r] for r in roles if not present.get(r)],
@@ -1055,6 +1059,7 @@ class PgRelayStore:
             missing_privileges=[f"{p} on {names[r]}" for r, p, ok in privileges if not ok],
             read_only=bool(read_only),
             pending_topics=sorted(topics),
+            role=str(role),
         )
 
     async def ping(self) -> None:

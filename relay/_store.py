@@ -252,6 +252,8 @@ class SchemaReport:
         The session is read-only (a replica, ``default_transaction_read_only``).
     pending_topics : list[str]
         Up to 100 distinct topics of rows waiting to be published.
+    role : str | None
+        The session's ``current_user`` (named in the GRANT statements of ``relay check``).
     """
 
     missing_tables: list[str]
@@ -260,6 +262,7 @@ class SchemaReport:
     missing_privileges: list[str]
     read_only: bool
     pending_topics: list[str]
+    role: str | None = None
 
 
 class RelayStore(Protocol):

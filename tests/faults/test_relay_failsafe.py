@@ -166,9 +166,10 @@ def test_failsafe_03_relay_check_names_a_schema_behind_a_revoked_grant_and_read_
             KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap,
         )
         assert check.returncode == 2
-        assert "relay down: the relay's database role lacks UPDATE on outbox, DELETE on " in (
+        assert f'relay down: role "{role}" lacks UPDATE, DELETE on outbox' in check.stdout, (
             check.stdout
-        ), check.stdout
+        )
+        assert f'GRANT UPDATE, DELETE ON outbox TO "{role}"' in check.stdout, check.stdout
         assert "pw" not in check.stdout + check.stderr
     finally:
         with engine.begin() as conn:

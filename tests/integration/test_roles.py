@@ -188,8 +188,7 @@ async def test_a_missing_grant_is_named_by_check(
     code, out = await asyncio.to_thread(s.run, ["relay", "check"], env)
     assert code == 2, out
     assert s.lines(out) == [
-        "relay down: the relay's database role lacks UPDATE on outbox: GRANT them "
-        "(docs/relay.md, 'Health')"
+        f'relay down: role "{relay}" lacks UPDATE on outbox: GRANT UPDATE ON outbox TO "{relay}"'
     ]
     execute(database_url, f"REVOKE INSERT ON inbox FROM {consumer}")
     args = ["--database-url", roles.urls["consumer"], "--kafka-bootstrap-servers", kafka_bootstrap]
