@@ -1,0 +1,112 @@
+"""The inbox's lock and latency metrics move, on real PostgreSQL (docs/observability.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import uuid
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
+from ledgerbox.inbox._metrics import EVENT_LATENCY, LOCK_ACQUIRED, LOCK_CONTENDED, LOCK_EXPIRED
+from ledgerbox.inbox.testing import (
+    InMemoryAggregateLock,
+    InMemoryDedupStore,
+    ManualClock,
+    record_for,
+)
+from ledgerbox.outbox import EventEnvelope
+from tests._inbox_support import order_event
+
+
+def _value(counter: Any, group: str) -> float:
+    return float(counter.labels(group)._value.get())
+
+
+def _consumer(database_url: str, redis_url: str, group: str, lock: InMemoryAggregateLock) -> Any:
+    return InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=["unused"],
+            database_url=database_url,
+            kafka_bootstrap_servers="127.0.0.1:1",
+            redis_url=redis_url,
+            lock_aggregates=True,
+            lock_ttl_ms=300,
+            lock_wait_ms=5000,
+        ),
+        dedup=InMemoryDedupStore(),
+        lock=lock,
+    )
+
+
+async def test_lock_acquired_contended_and_expired_while_running(
+    database_url: str, redis_url: str
+) -> None:
+    group = f"g-lock-{uuid.uuid4().hex[:8]}"
+    clock = ManualClock(1000.0)
+    lock = InMemoryAggregateLock(clock)
+    consumer = _consumer(database_url, redis_url, group, lock)
+    expire = asyncio.Event()
+
+    @consumer.handler("OrderPlaced")
+    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        if event.payload["order_id"] == "3" and not expire.is_set():
+            expire.set()
+            clock.advance(1.0)  # past lock_ttl_ms: the next renewal finds it gone
+            await asyncio.sleep(0.4)  # a renewal runs every lock_ttl_ms / 3
+
+    try:
+        # 1: a free lock.
+        assert await consumer.process_record(record_for(order_event("t", "1"))) is Outcome.APPLIED
+        assert (_value(LOCK_ACQUIRED, group), _value(LOCK_CONTENDED, group)) == (1, 0)
+
+        # 2: the aggregate's lock is taken by another worker until it is released.
+        event = order_event("t", "2")
+        other = await lock.acquire(f"{group}:order:2", 60_000)
+        assert other is not None
+        task = asyncio.create_task(consumer.process_record(record_for(event)))
+        await asyncio.sleep(0.1)
+        assert _value(LOCK_CONTENDED, group) == 1 and not task.done()
+        await lock.release(other)
+        assert await asyncio.wait_for(task, 10) is Outcome.APPLIED
+        assert (_value(LOCK_ACQUIRED, group), _value(LOCK_CONTENDED, group)) == (2, 1)
+
+        # 3: the lock expires while the handler runs.
+        assert _value(LOCK_EXPIRED, group) == 0
+        await consumer.process_record(record_for(order_event("t", "3")))
+        assert _value(LOCK_EXPIRED, group) >= 1
+    finally:
+        await consumer.aclose()
+
+
+async def test_event_latency_is_observed_after_the_commit(
+    database_url: str, redis_url: str
+) -> None:
+    group = f"g-lat-{uuid.uuid4().hex[:8]}"
+    consumer = _consumer(database_url, redis_url, group, InMemoryAggregateLock())
+
+    @consumer.handler("OrderPlaced")
+    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        return None
+
+    old = order_event("t", "9").model_copy(
+        update={"occurred_at": dt.datetime.now(dt.UTC) - dt.timedelta(seconds=42)}
+    )
+    try:
+        assert await consumer.process_record(record_for(old)) is Outcome.APPLIED
+        assert await consumer.process_record(record_for(old)) is Outcome.DUPLICATE
+    finally:
+        await consumer.aclose()
+    samples = {
+        (s.name, s.labels.get("le")): s.value
+        for metric in EVENT_LATENCY.collect()
+        for s in metric.samples
+        if s.labels.get("group") == group
+    }
+    assert samples[("ledgerbox_inbox_event_latency_seconds_count", None)] == 1  # not the dup
+    assert 42 <= samples[("ledgerbox_inbox_event_latency_seconds_sum", None)] < 60
+    assert samples[("ledgerbox_inbox_event_latency_seconds_bucket", "30.0")] == 0
+    assert samples[("ledgerbox_inbox_event_latency_seconds_bucket", "60.0")] == 1
