@@ -59,6 +59,7 @@ PUBLIC: dict[str, list[str]] = {
         "StoreError",
     ],
     "ledgerbox.relay.testing": ["InMemoryPublisher", "InMemoryRelayStore"],
+    "ledgerbox.telemetry": ["FILE_EXPORTER", "configure", "shutdown"],
     "ledgerbox.inbox": [
         "AggregateLock",
         "ConsumerConfig",
