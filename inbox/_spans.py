@@ -11,7 +11,6 @@ context). Without an SDK nothing is built and no header is read.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ledgerbox._core.tracing import MESSAGING, context_of, tracer, wire_trace_headers
@@ -25,21 +24,25 @@ if TYPE_CHECKING:
 __all__ = ["consumer_span", "set_outcome"]
 
 
-@contextlib.contextmanager
-def consumer_span(group: str, record: Record, event: EventEnvelope) -> Iterator[Span | None]:
-    """Run the body inside the record's ``process`` span (``None``: spans are off).
+_OFF: contextlib.nullcontext[None] = contextlib.nullcontext()
+
+
+def consumer_span(
+    group: str, record: Record, event: EventEnvelope
+) -> contextlib.AbstractContextManager[Span | None]:
+    """The record's ``process`` span as a context manager that makes it current (it yields
+    the span), or a shared no-op context yielding ``None`` when spans are off.
 
     An exception leaving the body is recorded on the span with an ERROR status and
     re-raised unchanged.
     """
     found = tracer()
     if found is None:
-        yield None
-        return
+        return _OFF
     from opentelemetry.trace import SpanKind
 
     parent = context_of(wire_trace_headers(record.headers))
-    with found.start_as_current_span(
+    return found.start_as_current_span(
         f"process {record.topic}",
         context=parent,
         kind=SpanKind.CONSUMER,
@@ -55,8 +58,7 @@ def consumer_span(group: str, record: Record, event: EventEnvelope) -> Iterator[
             MESSAGING.KAFKA_KEY: event.partition_key,
             MESSAGING.EVENT_TYPE: event.event_type,
         },
-    ) as span:
-        yield span
+    )
 
 
 def set_outcome(span: Span | None, outcome: Outcome) -> None:
