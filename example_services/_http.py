@@ -30,6 +30,7 @@ from prometheus_client import (
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from example_services._config import prepare_database
+from ledgerbox import telemetry
 
 __all__ = ["IDEMPOTENCY_KEY_RULE", "install_health_and_metrics", "validate_idempotency_key"]
 
@@ -125,8 +126,11 @@ def service_app(
     """A FastAPI app whose lifespan prepares and connects the service database.
 
     Returns the app (with ``/health`` and ``/metrics``) and ``engine()``, which gives the
-    connected ``AsyncEngine`` or answers 503 while the service is starting.
+    connected ``AsyncEngine`` or answers 503 while the service is starting. Spans are
+    exported if the ``OTEL_*`` variables ask for it (:func:`ledgerbox.telemetry.configure`;
+    docs/observability.md, "Export").
     """
+    telemetry.configure(title)
     engines: list[AsyncEngine] = []
 
     @asynccontextmanager

@@ -89,14 +89,14 @@ EVENT_LATENCY = Histogram(
 )
 LAG = Gauge(
     "ledgerbox_inbox_lag_records",
-    "Records of a partition assigned to this consumer not applied yet: the partition's high "
-    "watermark minus the offset after the last record finished (refreshed about once per "
-    "second while the consumer fetches).",
+    "Records of a partition assigned to this consumer not applied yet: its end offset (last "
+    "stable offset under read_committed) minus the offset after the last record finished, "
+    "refreshed about once per second while the consumer fetches.",
     ["group", "topic", "partition"],
 )
 LOCK_ACQUIRED = Counter(
     "ledgerbox_inbox_lock_acquired_total",
-    "Per-aggregate locks taken (lock_ttl_ms set), one per handler attempt.",
+    "Per-aggregate locks taken (lock_aggregates=True), one per handler attempt.",
     ["group"],
 )
 LOCK_CONTENDED = Counter(
