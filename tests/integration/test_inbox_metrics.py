@@ -10,7 +10,13 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
-from ledgerbox.inbox._metrics import EVENT_LATENCY, LOCK_ACQUIRED, LOCK_CONTENDED, LOCK_EXPIRED
+from ledgerbox.inbox._metrics import (
+    EVENT_LATENCY,
+    LAG,
+    LOCK_ACQUIRED,
+    LOCK_CONTENDED,
+    LOCK_EXPIRED,
+)
 from ledgerbox.inbox.testing import (
     InMemoryAggregateLock,
     InMemoryDedupStore,
@@ -18,7 +24,7 @@ from ledgerbox.inbox.testing import (
     record_for,
 )
 from ledgerbox.outbox import EventEnvelope
-from tests._inbox_support import order_event
+from tests._inbox_support import order_event, poll, produce
 
 
 def _value(counter: Any, group: str) -> float:
@@ -110,3 +116,51 @@ async def test_event_latency_is_observed_after_the_commit(
     assert 42 <= samples[("ledgerbox_inbox_event_latency_seconds_sum", None)] < 60
     assert samples[("ledgerbox_inbox_event_latency_seconds_bucket", "30.0")] == 0
     assert samples[("ledgerbox_inbox_event_latency_seconds_bucket", "60.0")] == 1
+
+
+async def test_lag_gauge_counts_records_not_applied_then_drops_to_zero(
+    database_url: str, kafka_bootstrap: str, new_topic: Any
+) -> None:
+    topic = await new_topic.acreate("inbox-lag", partitions=1)
+    group = f"g-lag-{uuid.uuid4().hex[:8]}"
+    await produce(kafka_bootstrap, topic, [order_event(topic, str(i)) for i in range(6)])
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=[topic],
+            database_url=database_url,
+            kafka_bootstrap_servers=kafka_bootstrap,
+            commit_interval_ms=20,
+            batch_max_records=1,
+        )
+    )
+    gate = asyncio.Event()
+    seen: list[str] = []
+
+    @consumer.handler("OrderPlaced")
+    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        seen.append(event.payload["order_id"])
+        if event.payload["order_id"] == "2":
+            await gate.wait()  # records 2..5 are not applied while it waits
+
+    lag = LAG.labels(group, topic, "0")
+    task = asyncio.create_task(consumer.run())
+    try:
+
+        async def stuck() -> bool:
+            return "2" in seen and lag._value.get() == 4
+
+        await poll(stuck, "lag 4 while the handler of record 2 waits", within_s=30)
+        gate.set()
+
+        async def drained() -> bool:
+            return len(seen) == 6 and lag._value.get() == 0
+
+        await poll(drained, "lag 0 once every record is applied", within_s=30)
+    finally:
+        gate.set()
+        consumer.stop()
+        await asyncio.wait_for(task, 60)
+    assert not any(s.labels.get("group") == group for m in LAG.collect() for s in m.samples), (
+        "the series goes when the partition is given up"
+    )
