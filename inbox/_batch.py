@@ -173,6 +173,7 @@ class BatchPipeline:
                 metrics.observe_latency(event.occurred_at)
         final = [events[k].event_id for k, _e, _r in todo if outcomes[k] is DEAD]
         metrics.processed.inc(len(applied))
+        metrics.replayed.inc(sum(1 for replayed in claimed.values() if replayed))
         metrics.duplicates_dead_lettered.inc(len(final))
         metrics.duplicates_db.inc(len(todo) - len(applied) - len(final))
         if applied and deps.hooks.after_db_commit is not None:

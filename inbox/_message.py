@@ -53,6 +53,7 @@ from ledgerbox.inbox._record import (
 )
 from ledgerbox.inbox._redis import LockLease, new_token
 from ledgerbox.inbox._spans import consumer_span, set_outcome
+from ledgerbox.inbox._store import ClaimResult
 from ledgerbox.outbox import EnvelopeParseError, EventEnvelope
 
 __all__ = ["MessagePipeline"]
@@ -318,7 +319,7 @@ class MessagePipeline:
                 if deps.hooks.after_begin is not None:
                     await deps.hooks.after_begin(ctx)
                 claimed = await deps.store.claim(tx, event.event_id, event.event_type, record)
-                if claimed:
+                if claimed is not ClaimResult.FINAL:
                     await tx.call(registered.fn, ctx, event)
                     await tx.commit()
                     outcome = Outcome.APPLIED
@@ -341,6 +342,8 @@ class MessagePipeline:
         if outcome is Outcome.APPLIED:
             self.metrics.processed.inc()
             self.metrics.observe_latency(event.occurred_at)
+            if claimed is ClaimResult.REPLAY:
+                self.metrics.replayed.inc()
         elif outcome is Outcome.ALREADY_DEAD_LETTERED:
             self.metrics.duplicates_dead_lettered.inc()
         else:

@@ -26,6 +26,7 @@ __all__ = [
     "LOCK_EXPIRED",
     "PROCESSED",
     "REDIS_DEGRADED",
+    "REPLAYED",
     "RETRIES",
     "UNHANDLED",
     "GroupMetrics",
@@ -79,6 +80,12 @@ REDIS_DEGRADED = Gauge(
     ["group"],
 )
 
+REPLAYED = Counter(
+    "ledgerbox_inbox_replayed_total",
+    "Dead-lettered events applied by an operator's replay (their REPLAY_REQUESTED inbox row "
+    "taken over by a delivery and the handler's effect committed).",
+    ["group"],
+)
 EVENT_LATENCY = Histogram(
     "ledgerbox_inbox_event_latency_seconds",
     "End to end: the event's time (occurred_at, set by the writer) to its inbox commit "
@@ -132,6 +139,7 @@ class GroupMetrics:
         self.dead_lettered = DEAD_LETTERED.labels(group)
         self.handler_duration = HANDLER_DURATION.labels(group)
         self.event_latency = EVENT_LATENCY.labels(group)
+        self.replayed = REPLAYED.labels(group)
         self.lock_acquired = LOCK_ACQUIRED.labels(group)
         self.lock_contended = LOCK_CONTENDED.labels(group)
         self.lock_expired = LOCK_EXPIRED.labels(group)

@@ -16,9 +16,11 @@ from ledgerbox.inbox._metrics import (
     LOCK_ACQUIRED,
     LOCK_CONTENDED,
     LOCK_EXPIRED,
+    REPLAYED,
 )
 from ledgerbox.inbox.testing import (
     InMemoryAggregateLock,
+    InMemoryDeadLetterPublisher,
     InMemoryDedupStore,
     ManualClock,
     record_for,
@@ -164,3 +166,48 @@ async def test_lag_gauge_counts_records_not_applied_then_drops_to_zero(
     assert not any(s.labels.get("group") == group for m in LAG.collect() for s in m.samples), (
         "the series goes when the partition is given up"
     )
+
+
+async def test_replayed_counts_an_operators_replay_once_per_path(
+    database_url: str, redis_url: str
+) -> None:
+    group = f"g-replay-{uuid.uuid4().hex[:8]}"
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=["unused"],
+            database_url=database_url,
+            kafka_bootstrap_servers="127.0.0.1:1",
+            dead_letter_on=(ValueError,),
+            batch_max_records=10,
+        ),
+        dead_letters=InMemoryDeadLetterPublisher(),
+    )
+    broken = {"1", "2", "3"}
+
+    @consumer.handler("OrderPlaced")
+    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        if event.payload["order_id"] in broken:
+            raise ValueError("bad amount")
+
+    one, two, three = (order_event("t", i) for i in ("1", "2", "3"))
+    try:
+        for event in (one, two, three):
+            outcome = await consumer.process_record(record_for(event))
+            assert outcome is Outcome.DEAD_LETTERED
+        assert await consumer.request_replay([one.event_id, two.event_id, three.event_id]) == 3
+        broken.clear()
+        # A first delivery is not a replay; the per-message path, then a batch of two.
+        assert await consumer.process_record(record_for(order_event("t", "4"))) is Outcome.APPLIED
+        assert _value(REPLAYED, group) == 0
+        assert await consumer.process_record(record_for(one)) is Outcome.APPLIED
+        assert _value(REPLAYED, group) == 1
+        outcomes = await consumer.process_batch(
+            [record_for(two, offset=1), record_for(three, offset=2)]
+        )
+        assert outcomes == [Outcome.APPLIED, Outcome.APPLIED]
+        assert _value(REPLAYED, group) == 3
+        assert await consumer.process_record(record_for(one)) is Outcome.DUPLICATE
+        assert _value(REPLAYED, group) == 3
+    finally:
+        await consumer.aclose()

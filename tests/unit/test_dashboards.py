@@ -158,6 +158,7 @@ def test_the_issue_s_metrics_are_on_the_dashboard_and_alerted() -> None:
         "ledgerbox_inbox_lock_expired_total",
         "ledgerbox_inbox_duplicates_total",
         "ledgerbox_inbox_dead_lettered_total",
+        "ledgerbox_inbox_replayed_total",
         "ledgerbox_relay_held_events",
         "ledgerbox_relay_lease_changes_total",
         "ledgerbox_relay_owned_shards",
