@@ -40,6 +40,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from example_services._config import prepare_database
+from ledgerbox import telemetry
 
 __all__ = [
     "IDEMPOTENCY_KEY_RULE",
@@ -204,8 +205,11 @@ def service_app(
     """A FastAPI app whose lifespan prepares and connects the service database.
 
     Returns the app (with ``/health`` and ``/metrics``) and ``engine()``, which gives the
-    connected ``AsyncEngine`` or answers 503 while the service is starting.
+    connected ``AsyncEngine`` or answers 503 while the service is starting. Spans are
+    exported if the ``OTEL_*`` variables ask for it (:func:`ledgerbox.telemetry.configure`;
+    docs/observability.md, "Export").
     """
+    telemetry.configure(title)
     engines: list[AsyncEngine] = []
 
     @asynccontextmanager

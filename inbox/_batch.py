@@ -22,6 +22,7 @@ from ledgerbox.inbox._handlers import Registered
 from ledgerbox.inbox._message import MessagePipeline
 from ledgerbox.inbox._policy import Outcome, delivery_outcome
 from ledgerbox.inbox._record import Parsed, Record, parse_record, record_timestamp_ms
+from ledgerbox.inbox._spans import consumer_span
 from ledgerbox.outbox import EventEnvelope
 
 __all__ = ["BatchPipeline"]
@@ -147,9 +148,13 @@ class BatchPipeline:
                     offset=record.offset,
                     timestamp_ms=record_timestamp_ms(record),
                 )
-                if deps.hooks.after_begin is not None:
-                    await deps.hooks.after_begin(ctx)
-                await tx.call(deps.handlers[event.event_type].fn, ctx, event)
+                # The record's consumer span covers its handler; the run shares one
+                # transaction (a rolled-back run goes through the per-message path, where
+                # each record gets a span around its own transaction).
+                with consumer_span(group, record, event):
+                    if deps.hooks.after_begin is not None:
+                        await deps.hooks.after_begin(ctx)
+                    await tx.call(deps.handlers[event.event_type].fn, ctx, event)
                 outcomes[k] = Outcome.APPLIED
             await tx.commit()
         except Exception as exc:
@@ -163,8 +168,12 @@ class BatchPipeline:
         applied = [events[k].event_id for k, _e, _r in todo if outcomes[k] is Outcome.APPLIED]
         for _ in applied:
             metrics.handler_duration.observe(elapsed_s / len(todo))
+        for k, event, _record in todo:
+            if outcomes[k] is Outcome.APPLIED:
+                metrics.observe_latency(event.occurred_at)
         final = [events[k].event_id for k, _e, _r in todo if outcomes[k] is DEAD]
         metrics.processed.inc(len(applied))
+        metrics.replayed.inc(sum(1 for replayed in claimed.values() if replayed))
         metrics.duplicates_dead_lettered.inc(len(final))
         metrics.duplicates_db.inc(len(todo) - len(applied) - len(final))
         if applied and deps.hooks.after_db_commit is not None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import typer
 
+from ledgerbox._core import telemetry
 from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
@@ -159,6 +160,7 @@ def run_command(values: Values, ctx: typer.Context) -> None:
     install_scrub_filter()
     try:
         consumer = load_consumer(_require_app(values))
+        telemetry.configure(f"ledgerbox-consumer-{consumer.group_id}")  # if OTEL_* asks
         if values["metrics_port"] is not None:
             try:
                 serve_metrics(values["metrics_port"], values["metrics_host"])
@@ -167,6 +169,8 @@ def run_command(values: Values, ctx: typer.Context) -> None:
         asyncio.run(_run(consumer))
     except LedgerboxError as exc:  # invalid settings, refused credentials
         raise _refused("run", exc) from None
+    finally:
+        telemetry.shutdown()  # export the last spans
 
 
 @CONSUMER_SETTINGS.typer_command(

@@ -52,6 +52,8 @@ from ledgerbox.inbox._record import (
     sleep_unless_abandoned,
 )
 from ledgerbox.inbox._redis import LockLease, new_token
+from ledgerbox.inbox._spans import consumer_span, set_outcome
+from ledgerbox.inbox._store import ClaimResult
 from ledgerbox.outbox import EnvelopeParseError, EventEnvelope
 
 __all__ = ["MessagePipeline"]
@@ -96,7 +98,16 @@ class MessagePipeline:
             parsed = parse_record(record)
         if isinstance(parsed, EnvelopeParseError):
             return await self.dead_letterer.dead_letter_once(record, None, parsed, abandon)
-        event = parsed
+        with consumer_span(deps.group_id, record, parsed) as span:
+            outcome = await self._process_event(record, parsed, abandon)
+            set_outcome(span, outcome)
+            return outcome
+
+    async def _process_event(
+        self, record: Record, event: EventEnvelope, abandon: Callable[[], bool]
+    ) -> Outcome:
+        # Steps 2-5 for a parsed event (inside its consumer span, if spans are on).
+        deps = self.deps
         registered = deps.handlers.get(event.event_type)
         if registered is None:
             return await self._unhandled_event(record, event, abandon)
@@ -212,7 +223,7 @@ class MessagePipeline:
             deps.health.clear(key, resolved=False)
             return Outcome.ABANDONED
         deps.health.clear(key)
-        return await self.process(record, abandon, event)
+        return await self._process_event(record, event, abandon)
 
     async def _with_retries(
         self,
@@ -308,7 +319,7 @@ class MessagePipeline:
                 if deps.hooks.after_begin is not None:
                     await deps.hooks.after_begin(ctx)
                 claimed = await deps.store.claim(tx, event.event_id, event.event_type, record)
-                if claimed:
+                if claimed is not ClaimResult.FINAL:
                     await tx.call(registered.fn, ctx, event)
                     await tx.commit()
                     outcome = Outcome.APPLIED
@@ -330,6 +341,9 @@ class MessagePipeline:
                 await deps.gate.call(lambda: lock.release(lease), False)
         if outcome is Outcome.APPLIED:
             self.metrics.processed.inc()
+            self.metrics.observe_latency(event.occurred_at)
+            if claimed is ClaimResult.REPLAY:
+                self.metrics.replayed.inc()
         elif outcome is Outcome.ALREADY_DEAD_LETTERED:
             self.metrics.duplicates_dead_lettered.inc()
         else:
@@ -367,12 +381,19 @@ class MessagePipeline:
         ttl_ms = deps.config.lock_ttl_ms
         deadline = time.monotonic() + deps.config.effective_lock_wait_ms / 1000
         delay_s = 0.005
+        contended = False
         while True:
             if not deps.gate.usable():
                 return None
             lease = await deps.gate.call(lambda: lock.acquire(name, ttl_ms), None)
-            if lease is not None or deps.gate.degraded:
+            if lease is not None:
+                self.metrics.lock_acquired.inc()
                 return lease
+            if deps.gate.degraded:
+                return None
+            if not contended:  # once per acquisition that found the lock taken
+                contended = True
+                self.metrics.lock_contended.inc()
             if time.monotonic() >= deadline:
                 raise LockBusyError(f"aggregate lock {name!r} stayed taken")
             await sleep_unless_abandoned(delay_s, abandon)
@@ -387,5 +408,6 @@ class MessagePipeline:
             owned = await deps.gate.call(lambda: lock.renew(lease, ttl_ms), True)
             if not owned:
                 ctx.lock_lost = True
+                self.metrics.lock_expired.inc()
                 _log.warning("aggregate lock %s lost while its handler ran", lease.name)
                 return

@@ -10,6 +10,12 @@ again and the inbox recognises it if its effect had committed.
 A broker that does not answer when the run starts is waited for (health ``down`` naming it,
 one log line per change, backoff at most :data:`START_RETRY_MAX_S` apart); refused
 credentials raise :class:`inbox.StartupError`.
+
+Lag: about once per :data:`LAG_REFRESH_S` the fetch loop sets
+``ledgerbox_inbox_lag_records{group,topic,partition}`` of each assigned partition to the
+records not applied yet: end offset (last stable offset under ``read_committed``, else the
+high watermark, both from the last fetch response: no request) minus the fetch position,
+plus the records fetched and waiting or in process.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -36,6 +43,9 @@ _log = logging.getLogger("ledgerbox.inbox")
 
 #: Longest wait between two attempts to start the Kafka client, in seconds.
 START_RETRY_MAX_S = 5.0
+
+#: How often the lag gauges are refreshed while the consumer fetches, in seconds.
+LAG_REFRESH_S = 1.0
 
 
 class BatchProcessor(Protocol):
@@ -151,8 +161,12 @@ class KafkaRunner:
 
     async def _fetch_loop(self, kafka: AIOKafkaConsumer) -> None:
         high = self.config.max_buffered_records
+        next_lag = 0.0
         while not self.stopping.is_set():
             batches = await kafka.getmany(timeout_ms=100, max_records=500)
+            if time.monotonic() >= next_lag:
+                next_lag = time.monotonic() + LAG_REFRESH_S
+                await self.refresh_lag(kafka)
             for tp, records in batches.items():
                 worker = self.workers.get(tp)
                 if worker is None or worker.closing:
@@ -170,6 +184,23 @@ class KafkaRunner:
             for worker in self.workers.values():
                 if worker.task.done() and not worker.closing:
                     worker.task.result()  # a bug in the pipeline: surface it
+
+    async def refresh_lag(self, kafka: AIOKafkaConsumer) -> None:
+        """Set the lag gauge of every partition with a worker (module docstring, "Lag").
+        A partition whose end offset or position is not known yet keeps its last value."""
+        metrics = self.deps.metrics
+        for tp, worker in list(self.workers.items()):
+            end = kafka.last_stable_offset(tp)
+            if end is None:
+                end = kafka.highwater(tp)
+            if end is None:
+                continue
+            try:
+                position = await asyncio.wait_for(kafka.position(tp), 0.05)
+            except (KafkaError, TimeoutError, AssertionError, KeyError):
+                continue  # being revoked or not positioned yet
+            waiting = len(worker.queue) + worker.in_process
+            metrics.set_lag(tp.topic, tp.partition, max(0, end - position) + waiting)
 
     def start_workers(self, partitions: Sequence[TopicPartition] | set[TopicPartition]) -> None:
         """Start a worker for each partition that has none."""
@@ -189,6 +220,7 @@ class KafkaRunner:
         for worker in workers:
             self.workers.pop(worker.tp, None)
             self.paused.discard(worker.tp)
+            self.deps.metrics.forget_lag(worker.tp.topic, worker.tp.partition)
 
     async def commit(self, workers: Sequence[_PartitionWorker]) -> None:
         """Commit the positions of ``workers`` that moved since their last commit."""
@@ -241,6 +273,7 @@ class _PartitionWorker:
         self.closing = False
         self.position: int | None = None  # offset to commit: last finished + 1
         self.committed: int | None = None
+        self.in_process = 0  # records taken from the queue whose pipeline has not finished
         self._wake = asyncio.Event()
         self.task = asyncio.create_task(self._run(), name=f"inbox-{tp.topic}-{tp.partition}")
 
@@ -266,7 +299,11 @@ class _PartitionWorker:
                 return
             take = min(len(self.queue), runner.config.batch_max_records)
             records = [self.queue.popleft() for _ in range(take)]
-            outcomes = await runner.process_batch(records, abandon=lambda: self.closing)
+            self.in_process = take
+            try:
+                outcomes = await runner.process_batch(records, abandon=lambda: self.closing)
+            finally:
+                self.in_process = 0
             for record, outcome in zip(records, outcomes, strict=False):
                 if outcome is Outcome.ABANDONED:
                     return

@@ -11,6 +11,7 @@ statement runs through a :class:`Tx`, so the same query serves async and sync ha
 
 from __future__ import annotations
 
+import enum
 import uuid
 from typing import Any, LiteralString
 
@@ -20,7 +21,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from ledgerbox.inbox._table import InboxStatus, InboxTable
 from ledgerbox.inbox._tx import Tx, translate_errors
 
-__all__ = ["InboxStore"]
+__all__ = ["ClaimResult", "InboxStore"]
+
+
+class ClaimResult(enum.Enum):
+    """What :meth:`InboxStore.claim` did with the event's inbox row."""
+
+    FINAL = "final"  # a DONE or DEAD_LETTERED row exists: the handler must not run
+    NEW = "new"  # inserted as DONE: the first delivery to this group
+    REPLAY = "replay"  # a REPLAY_REQUESTED row taken over: an operator's replay runs it
+
 
 #: ``last_error`` is cut to this many characters; the full text goes to the dead-letter topic.
 MAX_ERROR_CHARS = 2000
@@ -32,14 +42,16 @@ MAX_ERROR_CHARS = 2000
 # final: a duplicate, or a dead-lettered event whose handler must not run again, C17), a
 # conflict on a REPLAY_REQUESTED row (an operator asked for a replay) takes it over. A
 # concurrent claimant waits on the unique index until the first commits or rolls back (C05).
-# ``check_transition`` in ``_policy.py`` states the same transitions.
+# ``check_transition`` in ``_policy.py`` states the same transitions. ``replayed``: the row
+# was taken over, not inserted (an upserted row's xmax is the updating transaction; a row
+# this statement inserted has none): ``ledgerbox_inbox_replayed_total`` counts those.
 _CLAIM_CONFLICT: LiteralString = """
 ON CONFLICT (consumer_group, event_id) DO UPDATE SET
     status = 1, attempts = t.attempts + 1, last_seen_at = now(),
     topic = EXCLUDED.topic, "partition" = EXCLUDED."partition", "offset" = EXCLUDED."offset",
     last_error = NULL
 WHERE t.status = 3
-RETURNING t.event_id
+RETURNING t.event_id, (t.xmax <> '0'::xid) AS replayed
 """
 _INSERT: LiteralString = """
 INSERT INTO {table} AS t
@@ -143,16 +155,17 @@ class InboxStore:
             "offset": record.offset,
         }
 
-    async def claim(self, tx: Tx, event_id: uuid.UUID, event_type: str, record: Any) -> bool:
-        """Insert the event's inbox row as DONE in ``tx`` (or take over a REPLAY_REQUESTED
-        one); False if a final row exists (DONE or DEAD_LETTERED: :meth:`statuses` says
-        which).
+    async def claim(self, tx: Tx, event_id: uuid.UUID, event_type: str, record: Any) -> ClaimResult:
+        """Insert the event's inbox row as DONE in ``tx`` (``NEW``), or take over a
+        REPLAY_REQUESTED one (``REPLAY``); ``FINAL`` if a final row exists (DONE or
+        DEAD_LETTERED: :meth:`statuses` says which) and the handler must not run.
 
         The row commits or rolls back with the handler's changes (same transaction).
         """
-        return bool(
-            (await tx.execute(self._claim, self._values(event_id, event_type, record))).rows
-        )
+        rows = (await tx.execute(self._claim, self._values(event_id, event_type, record))).rows
+        if not rows:
+            return ClaimResult.FINAL
+        return ClaimResult.REPLAY if rows[0][1] else ClaimResult.NEW
 
     async def statuses(self, tx: Tx, event_ids: list[uuid.UUID]) -> dict[uuid.UUID, InboxStatus]:
         """The status of the rows of ``event_ids`` that exist, read in ``tx``. Used only
@@ -160,12 +173,15 @@ class InboxStore:
         result = await tx.execute(self._status_of, {"group": self.group, "event_ids": event_ids})
         return {row[0]: InboxStatus(row[1]) for row in result.rows}
 
-    async def claim_many(self, tx: Tx, items: list[tuple[uuid.UUID, str, Any]]) -> set[uuid.UUID]:
+    async def claim_many(
+        self, tx: Tx, items: list[tuple[uuid.UUID, str, Any]]
+    ) -> dict[uuid.UUID, bool]:
         """Insert the inbox rows of several distinct events in ONE statement in ``tx``.
 
         ``items`` are ``(event_id, event_type, record)`` with distinct event ids. Returns the
-        ids whose row was inserted (or taken over from REPLAY_REQUESTED): their handlers must
-        run in ``tx``; the others have a final row (:meth:`statuses` says which).
+        ids whose row was inserted (``False``) or taken over from REPLAY_REQUESTED
+        (``True``: an operator's replay): their handlers must run in ``tx``; the others have
+        a final row (:meth:`statuses` says which).
         """
         params = {
             "group": self.group,
@@ -176,7 +192,7 @@ class InboxStore:
             "offsets": [record.offset for _e, _t, record in items],
         }
         result = await tx.execute(self._claim_many, params)
-        return {row[0] for row in result.rows}
+        return {row[0]: bool(row[1]) for row in result.rows}
 
     async def record_failure(
         self,

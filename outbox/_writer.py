@@ -31,7 +31,7 @@ from ledgerbox.outbox._errors import (
 )
 from ledgerbox.outbox._routing import TopicRouter
 from ledgerbox.outbox._table import OutboxTable, shard_of
-from ledgerbox.outbox._trace import current_trace_headers
+from ledgerbox.outbox._trace import producer_trace_headers
 
 __all__ = [
     "DEFAULT_MAX_FUTURE_S",
@@ -160,7 +160,10 @@ class OutboxWriter:
             Defaults to a UUIDv5 of the idempotency key, so a retried request that somehow
             reached a second write carries the same event id and consumers drop it.
         headers : Mapping[str, str] | None
-            Extra Kafka headers. The active OpenTelemetry span's ``traceparent`` is added.
+            Extra Kafka headers. Unless they carry a ``traceparent``, the trace context is
+            added: with an OpenTelemetry SDK configured, that of a new PRODUCER span
+            ``create <topic>`` (child of the active span, ended at once); without one, that
+            of the active span, if any (docs/observability.md, "Spans").
         topic : str | None
             Overrides the router.
 
@@ -189,14 +192,24 @@ class OutboxWriter:
         ):
             raise FutureEventTimeError(occurred_at, self.max_future_s)
         json_payload = to_json_payload(payload)
-        all_headers = {**current_trace_headers(), **(headers or {})}
+        event_id = event_id or uuid.uuid5(_EVENT_ID_NAMESPACE, idempotency_key)
+        topic = topic if topic is not None else self.router.route(event_type, aggregate_type)
+        partition_key = partition_key if partition_key is not None else str(aggregate_id)
+        trace_headers = producer_trace_headers(
+            topic=topic,
+            event_id=event_id,
+            event_type=event_type,
+            partition_key=partition_key,
+            headers=headers,
+        )
+        all_headers = {**trace_headers, **(headers or {})}
         try:
             return EventEnvelope(
-                event_id=event_id or uuid.uuid5(_EVENT_ID_NAMESPACE, idempotency_key),
+                event_id=event_id,
                 idempotency_key=idempotency_key,
                 event_type=event_type,
-                topic=topic if topic is not None else self.router.route(event_type, aggregate_type),
-                partition_key=partition_key if partition_key is not None else str(aggregate_id),
+                topic=topic,
+                partition_key=partition_key,
                 source=self.source,
                 aggregate_type=aggregate_type,
                 aggregate_id=str(aggregate_id),

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import typer
 
+from ledgerbox._core import telemetry
 from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
@@ -125,12 +126,19 @@ def run(values: Values, ctx: typer.Context) -> None:
     configure_logging(RELAY_SETTINGS, values["log_level"])
     install_scrub_filter()
     config = _config(values)
+    try:
+        telemetry.configure("ledgerbox-relay")  # spans only if OTEL_* asks for them
+    except ConfigurationError as exc:
+        RELAY_SETTINGS.fail(exc, values)
     if values["metrics_port"]:
         try:
             serve_metrics(values["metrics_port"], values["metrics_host"])
         except ConfigurationError as exc:
             RELAY_SETTINGS.fail(exc, values)
-    asyncio.run(_run(config, ctx.find_object(RelayHooks)))
+    try:
+        asyncio.run(_run(config, ctx.find_object(RelayHooks)))
+    finally:
+        telemetry.shutdown()  # export the last spans
 
 
 async def _run(config: RelayConfig, hooks: RelayHooks | None) -> None:

@@ -38,6 +38,9 @@ A record refused for its timestamp alone (the broker's ``log.message.timestamp.a
 or ``before.max.ms``) is never dead-lettered: it is sent again with the relay's send time as
 its timestamp, the event time staying in ``ce_time`` (C19, docs/outbox.md "Event time").
 
+Tracing (:mod:`ledgerbox.relay._spans`): one ``send`` span per batch with a link to each
+event's producer span, only when an OpenTelemetry SDK is configured; never one per event.
+
 A lane maps each shard to exactly one lane (``shard % lanes``), so rows of one shard (and
 key) are handed to the shared producer by one pipeline, one batch after the other, in id
 order (G3). A failed persist after a successful send is retried with backoff (C04); if the
@@ -80,6 +83,7 @@ from ledgerbox.relay._policy import (
 from ledgerbox.relay._producer import SharedProducer
 from ledgerbox.relay._publisher import OutboundRecord
 from ledgerbox.relay._record import restamped, to_record
+from ledgerbox.relay._spans import end_batch_span, start_batch_span
 from ledgerbox.relay._stop import StopSignal
 from ledgerbox.relay._store import (
     ClaimedEvent,
@@ -315,7 +319,16 @@ class Lane:
         try:
             after_send = (lambda: self._start_prefetch(lanes)) if pipelined else None
             sendable = [e for e in events if not e.held]
-            confirmed, dead, failure = await self._publish(sendable, after_send)
+            span = start_batch_span(sendable)
+            try:
+                confirmed, dead, failure = await self._publish(sendable, after_send)
+            except BaseException as exc:
+                end_batch_span(span, confirmed=0, dead_lettered=0, failure=exc)
+                raise
+            end_batch_span(span, confirmed=len(confirmed), dead_lettered=len(dead), failure=failure)
+            if confirmed:
+                oldest_ms = min(e.occurred_at_ms for e in confirmed)
+                m.EVENT_AGE_AT_PUBLISH.observe(max(0.0, time.time() - oldest_ms / 1000))
             handled, held = _handled(events, confirmed, dead, deps.config.on_dead_letter)
             if failure is not None or dead:
                 # The prefetched claim may hold later rows of a key whose row failed or died.

@@ -144,6 +144,7 @@ class Leases:
         renewed = await store.renew_shards(book.held(), ttl)
         lost = book.renewed(renewed, sent_at)
         if lost:
+            m.LEASE_CHANGES.labels(change="lost").inc(len(lost))
             log.warning("lost shard leases %s", lost, extra={"shards": lost})
         if publishing:
             want, drain = book.plan(fair_share(cfg.shard_count, live))
@@ -166,6 +167,7 @@ class Leases:
             grants = await store.acquire_shards(want, ttl, lo=0, hi=cfg.shard_count - 1)
             new = book.granted(grants, sent_at)
             if new:
+                m.LEASE_CHANGES.labels(change="acquired").inc(len(new))
                 log.info("acquired shards %s", new, extra={"shards": new})
                 self._deps.on_acquired()
         if not book.is_leader(clock()):
@@ -173,6 +175,7 @@ class Leases:
             grants = await store.acquire_shards(1, ttl, lo=LEADER_SHARD, hi=LEADER_SHARD)
             if grants:
                 book.granted(grants, sent_at)
+                m.LEASE_CHANGES.labels(change="leader").inc()
                 log.info("became maintenance leader")
         await self.release_drained()
         m.OWNED_SHARDS.set(len(book.data_shards()))
@@ -208,12 +211,14 @@ class Leases:
             return
         held = [(s, self._book.fence(s)) for s in free]
         self._book.drop(free)
+        m.LEASE_CHANGES.labels(change="released").inc(len(free))
         await self._deps.store.release_shards(held)
 
     async def release_all(self) -> None:
         """On shutdown: forget every lease, release them and the member row in the table
         (best effort: a failure leaves them to expire after ``lease_ttl_s``)."""
         held = self._book.held()
+        m.LEASE_CHANGES.labels(change="released").inc(len(self._book.data_shards()))
         self._book.expire_all()
         m.OWNED_SHARDS.set(0)
         with contextlib.suppress(StoreError):

@@ -108,6 +108,8 @@ class Maintenance:
         stats = await deps.store.stats(deps.config.shard_count)
         m.PENDING_EVENTS.set(stats.pending)
         m.OLDEST_PENDING_AGE.set(stats.oldest_pending_age_s or 0.0)
+        m.DEAD_LETTERED_EVENTS.set(stats.dead_lettered)
+        m.HELD_EVENTS.set(stats.held)
         now = deps.clock()
         if now - self._last_cleanup >= deps.config.cleanup_interval_s:
             self._last_cleanup = now

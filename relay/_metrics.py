@@ -7,6 +7,10 @@ from prometheus_client import Counter, Gauge, Histogram
 __all__ = [
     "ACTIVE_LANES",
     "DEAD_LETTERED",
+    "DEAD_LETTERED_EVENTS",
+    "EVENT_AGE_AT_PUBLISH",
+    "HELD_EVENTS",
+    "LEASE_CHANGES",
     "OLDEST_PENDING_AGE",
     "OWNED_OLDEST_PENDING_AGE",
     "OWNED_PENDING_EVENTS",
@@ -68,3 +72,28 @@ REFUSED_SHARDS = Gauge(
     "ledgerbox_relay_refused_shards",
     "Shards this relay refuses: cursor ahead of the database (run `ledgerbox relay rebase`)",
 )
+DEAD_LETTERED_EVENTS = Gauge(
+    "ledgerbox_relay_dead_lettered_events",
+    "Outbox rows dead-lettered now (status 2) and waiting for an operator's replay or discard "
+    "(leader's last count)",
+)
+HELD_EVENTS = Gauge(
+    "ledgerbox_relay_held_events",
+    "Outbox rows held behind a dead-lettered row of their key (status 3, on_dead_letter="
+    "'hold'): not sent until the dead row is replayed or discarded (leader's last count)",
+)
+LEASE_CHANGES = Counter(
+    "ledgerbox_relay_lease_changes_total",
+    "Shard lease changes of this relay, by change: acquired, lost (expired before renewal "
+    "or taken over), released (drained to another relay or on stop), leader (became the "
+    "maintenance leader)",
+    ["change"],
+)
+EVENT_AGE_AT_PUBLISH = Histogram(
+    "ledgerbox_relay_event_age_at_publish_seconds",
+    "Per confirmed batch, the age of its oldest event when Kafka confirmed the batch: event "
+    "time (occurred_at) to broker ack, in seconds (one observation per batch, not per event)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
+)
+for _change in ("acquired", "lost", "released", "leader"):
+    LEASE_CHANGES.labels(change=_change)  # every series exported at 0 from the start

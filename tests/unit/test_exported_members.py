@@ -61,6 +61,7 @@ PUBLIC: dict[str, list[str]] = {
         "relay_stats",
     ],
     "ledgerbox.relay.testing": ["InMemoryPublisher", "InMemoryRelayStore"],
+    "ledgerbox.telemetry": ["FILE_EXPORTER", "configure", "shutdown"],
     "ledgerbox.inbox": [
         "AggregateLock",
         "ConsumerConfig",

@@ -171,8 +171,9 @@ ALLOWED: dict[str, set[str]] = {
     "relay": {"outbox", "_core"},
     "inbox": {"outbox", "_core"},
     "migrations": {"_core"},  # and the three table modules, see TABLE_MODULES
+    "telemetry": {"_core"},  # ledgerbox.telemetry: the public face of _core.telemetry
     "cli": {"outbox", "relay", "inbox", "migrations", "_core", "root"},
-    "root": {"_core", "cli"},
+    "root": {"_core", "cli", "telemetry"},
 }
 TABLE_MODULES = {
     "ledgerbox.outbox._table",
