@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ledgerbox.outbox._envelope import EventEnvelope, idempotency_key
     from ledgerbox.outbox._errors import (
         EnvelopeParseError,
+        EventIdConflictError,
         EventValidationError,
         FutureEventTimeError,
         NaiveDatetimeError,
@@ -52,6 +53,7 @@ __all__ = [
     "DEFAULT_SHARD_COUNT",
     "EnvelopeParseError",
     "EventEnvelope",
+    "EventIdConflictError",
     "EventStatus",
     "EventValidationError",
     "FutureEventTimeError",
@@ -80,6 +82,7 @@ if not TYPE_CHECKING:  # type checkers see the imports above, so typos stay erro
             "DEFAULT_MAX_PAYLOAD_BYTES": "ledgerbox.outbox._writer",
             "DEFAULT_SHARD_COUNT": "ledgerbox._core.names",
             "EnvelopeParseError": "ledgerbox.outbox._errors",
+            "EventIdConflictError": "ledgerbox.outbox._errors",
             "EventEnvelope": "ledgerbox.outbox._envelope",
             "EventStatus": "ledgerbox.outbox._table",
             "EventValidationError": "ledgerbox.outbox._errors",

@@ -114,6 +114,26 @@ class UnroutedEventError(EventValidationError):
         self.aggregate_type = aggregate_type
 
 
+class EventIdConflictError(EventValidationError):
+    """The event's id is stored already, under ANOTHER idempotency key.
+
+    Event ids derive from idempotency keys (``uuid5`` of the key), so this only happens
+    when a caller passes its own ``event_id`` and reuses it for a different business
+    identity; nothing is written (``OutboxWriter.stage_once``; docs/outbox.md,
+    "Idempotency")."""
+
+    __module__ = "ledgerbox.outbox"
+
+    def __init__(self, event_id: object, idempotency_key: str) -> None:
+        super().__init__(
+            f"event id {event_id} is already stored under another idempotency key than "
+            f"{idempotency_key!r}: give each business identity its own event id (or let "
+            "ledgerbox derive it from the idempotency key)"
+        )
+        self.event_id = event_id
+        self.idempotency_key = idempotency_key
+
+
 class EnvelopeParseError(LedgerboxError, ValueError):
     """A Kafka record could not be read as a ledgerbox event (bad bytes, headers or fields)."""
 

@@ -24,6 +24,7 @@ from ledgerbox._core.faults import Fault, driver_fault
 from ledgerbox._core.plan import Plan, arun_plan, run_plan
 from ledgerbox.outbox._envelope import EventEnvelope, dumps_payload, to_json_payload
 from ledgerbox.outbox._errors import (
+    EventIdConflictError,
     EventValidationError,
     FutureEventTimeError,
     NaiveDatetimeError,
@@ -265,10 +266,10 @@ class OutboxWriter:
     def stage_once(self, target: Session | Connection, event: EventEnvelope) -> Staged:
         """Insert the event now unless its idempotency key exists; never commits.
 
-        Runs ``INSERT ... ON CONFLICT (idempotency_key) DO NOTHING`` in the caller's open
-        transaction (one round trip; the session is not flushed). If a concurrent transaction
-        holds the same key, this waits for it: if it commits, this returns the duplicate; if
-        it rolls back, this inserts.
+        Runs ``INSERT ... ON CONFLICT DO NOTHING`` in the caller's open transaction (one round
+        trip; the session is not flushed). If a concurrent transaction holds the same key (or
+        event id), this waits for it: if it commits, this returns the duplicate; if it rolls
+        back, this inserts. Concurrent twins never see a unique violation.
 
         Call it before writing the business rows: when ``created`` is ``False``, roll back
         and answer the retried request from ``Staged.event``.
@@ -282,6 +283,9 @@ class OutboxWriter:
         ------
         PayloadTooLargeError
             The payload exceeds ``max_payload_bytes``; nothing is written.
+        EventIdConflictError
+            The event id is stored under another idempotency key (a caller-chosen
+            ``event_id`` reused); nothing is written.
         """
 
         def execute(query: _Query) -> sa.Result[Any]:
@@ -329,8 +333,13 @@ class OutboxWriter:
         inserted = yield _Query(self._insert_once_sql, row, routed=True)
         if inserted.first() is not None:
             return Staged(created=True, event=event)
-        existing = yield _Query(self._select_by_key(event.idempotency_key))
-        return Staged(created=False, event=envelope_from_row(existing.mappings().one()))
+        # No row: SOME unique index held the event (ON CONFLICT without a target). Twins of
+        # one request race between the idempotency-key and the event-id index, so either may
+        # report it; the stored key decides: a duplicate, or another identity's event id.
+        existing = (yield _Query(self._select_by_key(event.idempotency_key))).mappings().first()
+        if existing is None:
+            raise EventIdConflictError(event.event_id, event.idempotency_key)
+        return Staged(created=False, event=envelope_from_row(existing))
 
     def _row(self, event: EventEnvelope) -> dict[str, Any]:
         size = len(dumps_payload(event.payload))
@@ -385,17 +394,19 @@ _STAGED_COLUMNS = (
 
 
 def _insert_once_statement(table: sa.Table, qualified_name: str) -> sa.TextClause:
-    """``INSERT ... ON CONFLICT (idempotency_key) DO NOTHING RETURNING id`` as text SQL with
-    typed bind parameters (each column's own type, so JSON payloads and datetimes are bound
-    exactly as ``session.add`` binds them). SQLAlchemy never caches the compiled form of
-    ``postgresql.insert(...).on_conflict_do_nothing()`` (no cache key: ~0.2 ms of CPU per
-    call to recompile); a text statement is compiled once."""
+    """``INSERT ... ON CONFLICT DO NOTHING RETURNING id`` as text SQL with typed bind
+    parameters (each column's own type, so JSON payloads and datetimes are bound exactly as
+    ``session.add`` binds them). No conflict target: a conflict on the idempotency key OR the
+    event id is the duplicate answer, as concurrent twins may hit either index first.
+    SQLAlchemy never caches the compiled form of ``postgresql.insert(...)
+    .on_conflict_do_nothing()`` (no cache key: ~0.2 ms of CPU per call to recompile); a text
+    statement is compiled once."""
     columns = [table.c[name] for name in _STAGED_COLUMNS]
     names = ", ".join(c.name for c in columns)
     values = ", ".join(f":{c.name}" for c in columns)
     statement = sa.text(  # names: validated identifiers (OutboxTable) and fixed column names
         f"INSERT INTO {qualified_name} ({names}) VALUES ({values})"  # noqa: S608
-        " ON CONFLICT (idempotency_key) DO NOTHING RETURNING id"
+        " ON CONFLICT DO NOTHING RETURNING id"
     )
     return statement.bindparams(*(sa.bindparam(c.name, type_=c.type) for c in columns))
 

@@ -8,6 +8,7 @@
     ├── ledgerbox.BrokerError               a Kafka call failed (fault, kind)
     ├── ledgerbox.outbox
     │   ├── EventValidationError            an event cannot be written (also ValueError)
+    │   │   ├── EventIdConflictError        its event id is stored under another idempotency key
     │   │   ├── FutureEventTimeError        occurred_at beyond ``max_future_s`` (Kafka refuses it)
     │   │   ├── NaiveDatetimeError          a datetime without tzinfo in envelope or payload
     │   │   ├── NonFiniteNumberError        NaN or Infinity in the payload (JSON has neither)

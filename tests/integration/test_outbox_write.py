@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from ledgerbox import migrations
 from ledgerbox.outbox import (
     EventEnvelope,
+    EventIdConflictError,
     EventStatus,
     OutboxTable,
     OutboxWriter,
@@ -188,6 +189,69 @@ def test_c08_concurrent_duplicate_waits_for_the_first_and_sees_it(engine: Engine
     assert _count(engine) == 1
 
 
+def test_c08_stage_once_meets_the_event_id_of_an_uncommitted_row_with_another_key(
+    engine: Engine,
+) -> None:
+    """A unique conflict on the event id (not the idempotency key) was a raw IntegrityError
+    (uq_outbox_event_id) out of stage_once: the twins of one request race between the two
+    unique indexes under load (the demo's concurrent twins saw a 500). Every unique conflict
+    is now stage_once's answer: a duplicate when the key is stored, else a typed error."""
+    first = _event(70, key="key-a")
+    other = first.model_copy(update={"idempotency_key": "key-b"})
+    inserted = threading.Event()
+    outcome: list[BaseException | bool] = []
+
+    def second() -> None:
+        inserted.wait(10)
+        try:
+            with Session(engine) as session, session.begin():
+                outcome.append(WRITER.stage_once(session, other).created)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=second)
+    worker.start()
+    with Session(engine) as session, session.begin():
+        assert WRITER.stage_once(session, first).created
+        inserted.set()
+        worker.join(0.5)
+        assert worker.is_alive()  # waits on the event-id index until we commit
+    worker.join(20)
+    (error,) = outcome
+    assert isinstance(error, EventIdConflictError), repr(error)
+    assert str(first.event_id) in str(error) and "key-b" in str(error)
+    assert _count(engine) == 1
+
+
+def test_c08_concurrent_twins_always_get_one_insert_and_duplicates(engine: Engine) -> None:
+    """Four transactions stage the same event at once, 30 times: every round one insert and
+    three duplicates, never a unique violation (the race between the idempotency-key and the
+    event-id index)."""
+    for round_ in range(30):
+        event = _event(80 + round_, key=f"twin-{round_}-{uuid.uuid4()}")
+        start = threading.Barrier(4)
+        outcome: list[BaseException | bool] = []
+
+        def twin(
+            event: EventEnvelope = event,
+            start: threading.Barrier = start,
+            outcome: list[BaseException | bool] = outcome,
+        ) -> None:
+            start.wait(10)
+            try:
+                with engine.begin() as conn:
+                    outcome.append(WRITER.stage_once(conn, event).created)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        threads = [threading.Thread(target=twin) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        assert sorted(map(repr, outcome)) == ["False", "False", "False", "True"], outcome
+
+
 def test_decimal_uuid_and_aware_microsecond_datetime_round_trip_exactly(engine: Engine) -> None:
     original = Money(
         amount=Decimal("100.10"),
@@ -302,7 +366,7 @@ def test_stage_once_stores_what_stage_stores_and_is_compiled_once(engine: Engine
     cache: list[object] = []
 
     def seen(conn, cursor, statement, params, context, executemany) -> None:  # type: ignore[no-untyped-def]
-        if "ON CONFLICT (idempotency_key)" in statement:
+        if "ON CONFLICT DO NOTHING" in statement:
             cache.append(context.cache_hit)
 
     occurred = dt.datetime(2026, 11, 29, 10, 0, 0, 123456, tzinfo=dt.UTC)

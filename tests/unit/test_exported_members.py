@@ -26,6 +26,7 @@ PUBLIC: dict[str, list[str]] = {
         "DEFAULT_SHARD_COUNT",
         "EnvelopeParseError",
         "EventEnvelope",
+        "EventIdConflictError",
         "EventStatus",
         "EventValidationError",
         "FutureEventTimeError",
