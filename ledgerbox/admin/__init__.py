@@ -1,0 +1,69 @@
+"""ledgerbox.admin: the operator API (dead-lettered outbox events, dead-letter records,
+consumer lag, the audit trail). The CLI (``ledgerbox relay dead ...``, ``ledgerbox consumer
+dlq ...``, ``ledgerbox consumer lag``) and the console call exactly these functions.
+
+Every function is ``async``, opens its own connections and closes them before it returns.
+Every replay and discard (dry runs too, flagged) writes one audit row and one INFO log line
+on logger ``ledgerbox.admin``. The guide: docs/operations.md.
+"""
+
+from __future__ import annotations
+
+from ledgerbox._core.kafka import KafkaSettings
+from ledgerbox.admin._audit import list_audit
+from ledgerbox.admin._dead import (
+    discard_dead_events,
+    held_keys,
+    list_dead_events,
+    replay_dead_events,
+    show_dead_event,
+)
+from ledgerbox.admin._dlq import (
+    discard_dlq_records,
+    list_dlq_records,
+    replay_dlq_records,
+    show_dlq_record,
+)
+from ledgerbox.admin._errors import AdminError, InvalidFilterError, NotFoundError, RefusedError
+from ledgerbox.admin._lag import consumer_lag
+from ledgerbox.admin._types import (
+    ActionResult,
+    AuditEntry,
+    Database,
+    DeadEvent,
+    DeadFilter,
+    DlqFilter,
+    DlqRecord,
+    HeldKey,
+    PartitionLag,
+    default_actor,
+)
+
+__all__ = [
+    "ActionResult",
+    "AdminError",
+    "AuditEntry",
+    "Database",
+    "DeadEvent",
+    "DeadFilter",
+    "DlqFilter",
+    "DlqRecord",
+    "HeldKey",
+    "InvalidFilterError",
+    "KafkaSettings",
+    "NotFoundError",
+    "PartitionLag",
+    "RefusedError",
+    "consumer_lag",
+    "default_actor",
+    "discard_dead_events",
+    "discard_dlq_records",
+    "held_keys",
+    "list_audit",
+    "list_dead_events",
+    "list_dlq_records",
+    "replay_dead_events",
+    "replay_dlq_records",
+    "show_dead_event",
+    "show_dlq_record",
+]
