@@ -26,6 +26,7 @@ import typer
 from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
+from ledgerbox._core.operator_settings import OPERATOR_FILTERS
 from ledgerbox._core.redaction import install_scrub_filter, scrub
 from ledgerbox._core.settings import (
     CommandSettings,
@@ -87,6 +88,9 @@ RELAY_SETTINGS = CommandSettings(
             help="rebase: rows created up to this long before a shard's last persist are sent"
             " again too (clock skew between the old and the new server)",
         ),
+        # `ledgerbox relay dead list|show|replay|discard` (ledgerbox.admin; docs/operations.md)
+        *OPERATOR_FILTERS,
+        Setting("topic", str, help="dead: only rows of this topic"),
     ],
 )
 
