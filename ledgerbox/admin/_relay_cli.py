@@ -15,7 +15,6 @@ imported when a ``dead`` command runs, so ``ledgerbox relay run`` stays light.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,6 +24,9 @@ from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.operator_settings import OPERATOR_SWITCHES
 from ledgerbox._core.redaction import scrub
 from ledgerbox._core.settings import Values
+from ledgerbox.admin._output import print_json as _print_json
+from ledgerbox.admin._output import short as _short
+from ledgerbox.admin._output import table as _table
 from ledgerbox.relay._cli import RELAY_SETTINGS
 from ledgerbox.relay._cli import app as relay_app
 
@@ -90,21 +92,6 @@ def _filter(command: str, values: Values) -> DeadFilter:
         )
     except LedgerboxError as exc:
         raise _fail(command, exc) from None
-
-
-def _print_json(value: Any) -> None:
-    typer.echo(json.dumps(value, indent=2, sort_keys=True))
-
-
-def _table(rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-
-
-def _short(text: str | None, width: int = 60) -> str:
-    one = " ".join((text or "-").split())
-    return one if len(one) <= width else one[: width - 3] + "..."
 
 
 def _when(event: DeadEvent) -> str:
