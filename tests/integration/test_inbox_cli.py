@@ -98,7 +98,7 @@ def test_failsafe_01_check_names_the_cause_and_the_fix(
     _sql(url, "UPDATE ledgerbox_alembic_version SET version_num = '0000'")
     code, line = check("--database-url", url, *kafka)
     assert code == 2 and f"is at revision 0000, this version needs {SCHEMA_REVISION}" in line, line
-    _sql(url, f"UPDATE ledgerbox_alembic_version SET version_num = '{SCHEMA_REVISION}'")
+    _sql(url, f"UPDATE ledgerbox_alembic_version SET version_num = '{SCHEMA_REVISION}'")  # noqa: S608 - a constant
 
     role = f"fs_chk_{uuid.uuid4().hex[:8]}"
     _sql(
