@@ -223,6 +223,12 @@ async def test_relay_dead_list_replay_discard_keep_order_and_event_ids(
             "cli",
         )
         assert _statuses(engine, topic, "M") == [4, 0]
+        (logged,) = [line for line in out.stderr.splitlines() if "operator action" in line]
+        assert (
+            f"INFO ledgerbox.admin operator action relay.dead.discard by cli: ids=['{m1_id}']"
+            in logged
+        )
+        assert f"audit_id={result['audit_id']}" in logged and "dry_run=False" in logged
         await _drain(relay)
         records = await rs.consume(kafka_bootstrap, topic, until=lambda got: len(got) >= 6)
         assert [json.loads(r.value)["seq"] for r in records if r.key == b"M"] == [2]
