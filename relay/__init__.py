@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from ledgerbox.relay._hooks import RelayHooks
     from ledgerbox.relay._publisher import KafkaPublisher, OutboundRecord, Publisher
     from ledgerbox.relay._relay import Relay
-    from ledgerbox.relay._status import relay_stats
-    from ledgerbox.relay._store import RelayStats
     from ledgerbox.relay._table import RelayTables
 
 __all__ = [
@@ -49,11 +47,9 @@ __all__ = [
     "RelayConfig",
     "RelayError",
     "RelayHooks",
-    "RelayStats",
     "RelayTables",
     "Secret",
     "StoreError",
-    "relay_stats",
 ]
 
 # Lazy (PEP 562): the daemon never imports RelayTables (SQLAlchemy), only what it runs.
@@ -71,10 +67,8 @@ if not TYPE_CHECKING:  # type checkers see the imports above, so typos stay erro
             "RelayConfig": "ledgerbox.relay._config",
             "RelayError": "ledgerbox.relay._errors",
             "RelayHooks": "ledgerbox.relay._hooks",
-            "RelayStats": "ledgerbox.relay._store",
             "RelayTables": "ledgerbox.relay._table",
             "Secret": "ledgerbox._core.redaction",
             "StoreError": "ledgerbox.relay._errors",
-            "relay_stats": "ledgerbox.relay._status",
         },
     )

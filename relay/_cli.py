@@ -27,6 +27,7 @@ from ledgerbox._core import telemetry
 from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
+from ledgerbox._core.operator_settings import OPERATOR_FILTERS
 from ledgerbox._core.redaction import install_scrub_filter, scrub
 from ledgerbox._core.settings import (
     CommandSettings,
@@ -42,7 +43,7 @@ from ledgerbox.relay._pgstore import pg_store_factory
 from ledgerbox.relay._policy import shard_ranges
 from ledgerbox.relay._publisher import KafkaPublisher
 from ledgerbox.relay._relay import Relay
-from ledgerbox.relay._status import UNUSED_KAFKA, relay_stats
+from ledgerbox.relay._status import UNUSED_KAFKA
 
 __all__ = ["RELAY_SETTINGS", "app", "main"]
 
@@ -89,6 +90,9 @@ RELAY_SETTINGS = CommandSettings(
             help="rebase: rows created up to this long before a shard's last persist are sent"
             " again too (clock skew between the old and the new server)",
         ),
+        # `ledgerbox relay dead list|show|replay|discard` (ledgerbox.admin; docs/operations.md)
+        *OPERATOR_FILTERS,
+        Setting("topic", str, help="dead: only rows of this topic"),
     ],
 )
 
@@ -195,16 +199,17 @@ async def _check(config: RelayConfig) -> CheckResult:
     app, "status", ["database_url", "outbox_table", "schema", "shard_count"]
 )
 def status(values: Values, ctx: typer.Context) -> None:
-    """Pending count, oldest pending age, dead count and the shard owners."""
+    """Pending count, oldest pending age, dead count, the shard owners and the held keys
+    (each key behind a dead-lettered event: which event, how many wait)."""
     config = _database_config(values)
 
     async def read() -> None:
-        stats = await relay_stats(
-            config.database_url,
-            outbox_table=config.outbox_table,
-            schema=config.schema,
-            shard_count=config.shard_count,
-        )
+        store = pg_store_factory(config)("status")
+        try:
+            stats = await store.stats(config.shard_count)
+            keys = await store.held_keys(_HELD_KEYS_SHOWN)
+        finally:
+            await store.aclose()
         age = stats.oldest_pending_age_s
         typer.echo(f"pending: {stats.pending}")
         typer.echo(f"oldest pending age s: {'-' if age is None else f'{age:.1f}'}")
@@ -219,6 +224,16 @@ def status(values: Values, ctx: typer.Context) -> None:
         for label, shards in sorted(owners.items()):
             typer.echo(f"{label}: {_ranges(shards)}")
         typer.echo(f"held: {stats.held}")
+        for held in keys:
+            typer.echo(
+                f"held key {held.key}: dead event {held.dead_id} ({held.dead_event_id}),"
+                f" {held.held} held behind it, since {held.since:%Y-%m-%dT%H:%M:%SZ}"
+                f" (`ledgerbox relay dead replay|discard {held.dead_id}`)"
+            )
+        if len(keys) == _HELD_KEYS_SHOWN:
+            typer.echo(
+                f"held keys: the first {_HELD_KEYS_SHOWN} shown (`ledgerbox relay dead list`)"
+            )
         if stats.refused:
             typer.echo(
                 f"refused shards: {_ranges([s for s, _ in stats.refused])}: {stats.refused[0][1]}"
@@ -282,6 +297,10 @@ def rebase(values: Values, ctx: typer.Context) -> None:
         typer.echo(f"rebase failed: {exc}", err=True)
         raise typer.Exit(1) from exc
     raise typer.Exit(code)
+
+
+#: ``relay status`` lists at most this many held keys.
+_HELD_KEYS_SHOWN = 20
 
 
 def _ranges(values: list[int]) -> str:

@@ -27,7 +27,8 @@ import psycopg
 
 from example_services.demo.checker import check_retries_returned_first
 from example_services.soak.load import LoadStats
-from ledgerbox.relay import StoreError, relay_stats
+from ledgerbox import DatabaseError
+from ledgerbox.admin import Database, relay_status
 
 __all__ = ["Monitor", "Sample"]
 
@@ -75,7 +76,7 @@ class Sample:
 class Monitor:
     order_dsn: str
     payment_dsn: str
-    order_url: str  # SQLAlchemy URLs of the same databases (for ledgerbox.relay.relay_stats)
+    order_url: str  # SQLAlchemy URLs of the same databases (ledgerbox.admin.relay_status)
     payment_url: str
     stats: LoadStats
     active_faults: Callable[[], list[str]]
@@ -151,10 +152,10 @@ class Monitor:
         """The relay's own pending count (its shards' cursors: a published row keeps
         ``status = 0``), or ``None`` while the database cannot answer."""
         try:
-            stats = await asyncio.wait_for(relay_stats(url), 3.0)
-        except (StoreError, TimeoutError, OSError):
+            status = await asyncio.wait_for(relay_status(Database(url=url), held_limit=1), 3.0)
+        except (DatabaseError, TimeoutError, OSError):
             return None
-        return stats.pending
+        return status.pending
 
     async def _online_checks(self) -> None:
         checks = {

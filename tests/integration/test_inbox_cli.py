@@ -158,7 +158,17 @@ def test_check_with_an_app_accepts_a_missing_topic_the_broker_will_create(
         text=True,
         timeout=120,
     )
-    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert (done.returncode, lines[0]) == (0, "ok"), done.stderr
+    # Then the group's lag (a topic not created yet has none to read; health unchanged).
+    assert (
+        lines[1:]
+        == [
+            "lag of group g: unavailable: topic 'fs-no-such-topic' does not exist on "
+            f"{kafka_bootstrap} (PLAINTEXT): check --topic"
+        ]
+        or lines[-1] == "lag of group g: 0 records"
+    ), lines
 
 
 def test_relay_and_consumer_name_an_unreachable_kafka_in_the_same_words(

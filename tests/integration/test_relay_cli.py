@@ -52,6 +52,16 @@ def test_status_and_run_until_sigterm(
     assert lines[0] == f"pending: {rs.pending_count(engine)}"
     assert lines[2] == "dead-lettered: 1"
     assert lines[3] == "shards: no lease rows yet (no relay has started)", lines
+    with engine.connect() as conn:
+        dead_id, dead_event = conn.execute(
+            text("SELECT id, event_id FROM outbox WHERE partition_key = 's2'")
+        ).one()
+    held = [line for line in lines if line.startswith("held key ")]
+    assert held == [
+        f"held key s2: dead event {dead_id} ({dead_event}), 0 held behind it, since "
+        + held[0].rsplit("since ", 1)[1]
+    ], lines
+    assert f"`ledgerbox relay dead replay|discard {dead_id}`" in held[0]
 
     # This run's own broker (a hard-coded 127.0.0.1:9092 reached whatever listened there).
     proc = rs.relay_process(database_url, kafka_bootstrap, "--relay-id", "cli-run")
