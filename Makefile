@@ -23,11 +23,11 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[dev,services,otel,compression]'
+	$(VENV)/bin/pip install -q -e '.[dev,services,console,otel,compression]'
 	touch $@
 
 $(VENV)/.soak-installed: $(VENV)/.installed
-	$(VENV)/bin/pip install -q -e '.[dev,services,otel,compression,soak]'
+	$(VENV)/bin/pip install -q -e '.[dev,services,console,otel,compression,soak]'
 	touch $@
 
 services:

@@ -5,6 +5,7 @@
     ledgerbox migrate                 create/upgrade the ledgerbox tables (Alembic)
     ledgerbox relay run|check|status  the outbox relay daemon
     ledgerbox consumer run|check|purge  an inbox consumer
+    ledgerbox console                 the ops console in the browser (docs/console.md)
 
 One naming scheme for every command (docs/configuration.md): setting ``field_name`` of
 ``ledgerbox <command>`` has the flag ``--field-name`` and the environment variable
@@ -31,6 +32,7 @@ __all__ = ["app", "main"]
 _LAZY = {
     "relay": ("ledgerbox.relay._cli", "app"),
     "consumer": ("ledgerbox.inbox._cli", "app"),
+    "console": ("ledgerbox.console._cli", "app"),
 }
 
 
@@ -46,7 +48,8 @@ class _LazyGroup(TyperGroup):
             return super().get_command(ctx, cmd_name)
         module, attr = _LAZY[cmd_name]
         sub: Any = getattr(importlib.import_module(module), attr)
-        command = typer.main.get_group(sub)
+        # A group (relay, consumer) or, for a Typer app of one command (console), that command.
+        command = typer.main.get_command(sub)
         command.name = cmd_name
         return command
 
