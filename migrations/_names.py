@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from ledgerbox._core.migrate_settings import MIGRATE_SETTINGS, NAME_SETTINGS
+from ledgerbox.admin._table import OpsTables
 from ledgerbox.inbox._table import InboxTable
 from ledgerbox.outbox._table import OutboxTable
 from ledgerbox.relay._table import RelayTables
@@ -47,12 +48,14 @@ class Names:
 def include_tables(
     metadata: sa.MetaData, names: Names | None = None
 ) -> tuple[OutboxTable, InboxTable, RelayTables]:
-    """Add every ledgerbox table (outbox, inbox, the relay's lease and member tables) to
+    """Add every ledgerbox table (outbox, inbox, the relay's lease and member tables, the
+    operator tables ``ledgerbox_ops_audit`` and ``ledgerbox_dlq_action``) to
     your own ``metadata``, e.g. ``Base.metadata`` in your Alembic ``env.py``, so that
     autogenerate sees them: with only ``OutboxTable(metadata=...)`` it proposes to DROP the
     inbox and relay tables. Returns the three table objects (use the first as the writer's
     ``table=``)."""
     names = names or Names()
+    OpsTables(schema=names.schema, metadata=metadata)
     return (
         OutboxTable(names.outbox_table, schema=names.schema, metadata=metadata),
         InboxTable(names.inbox_table, schema=names.schema, metadata=metadata),

@@ -9,11 +9,12 @@ Use them from your own Alembic environment::
         ops.create_relay_v1(op, outbox_table="outbox", schema=None)
         ops.upgrade_outbox_v1_to_v2(op, table="outbox", schema=None)
         ops.upgrade_relay_v1_to_v2(op, outbox_table="outbox", schema=None)
+        ops.create_ops_v3(op, schema=None)
 
 Each function is one step of the schema's history and never changes; later versions add new
 functions (``create_*_v1`` for revision 1, ``upgrade_*_v1_to_v2`` / ``downgrade_*_v2_to_v1``
-for revision 2: docs/migrations.md). Names are validated as SQL identifiers before they
-reach any DDL.
+for revision 2, ``create_ops_v3`` / ``drop_ops_v3`` for revision 3: docs/migrations.md).
+Names are validated as SQL identifiers before they reach any DDL.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from ledgerbox.outbox._types import PgSnapshot, Xid8
 
 __all__ = [
     "create_inbox_v1",
+    "create_ops_v3",
     "create_outbox_v1",
     "create_relay_v1",
     "downgrade_outbox_v2_to_v1",
     "downgrade_relay_v2_to_v1",
     "drop_inbox_v1",
+    "drop_ops_v3",
     "drop_outbox_v1",
     "drop_relay_v1",
     "upgrade_outbox_v1_to_v2",
@@ -297,3 +300,41 @@ def downgrade_relay_v2_to_v1(
     ):
         op.drop_column(lease, column, schema=schema)
     op.execute(f"ALTER TABLE {f'{schema}.' if schema else ''}{lease} RESET (fillfactor)")
+
+
+def create_ops_v3(op: Any, schema: str | None = None) -> None:
+    """Create the operator tables (revision 3): ``ledgerbox_ops_audit`` (one row per
+    operator action) and ``ledgerbox_dlq_action`` (dead-letter records replayed or
+    discarded); docs/operations.md."""
+    schema = None if schema is None else sql_identifier(schema, "schema")
+    op.create_table(
+        "ledgerbox_ops_audit",
+        sa.Column("id", sa.BigInteger, sa.Identity(always=False), primary_key=True),
+        sa.Column("at", _TZ, nullable=False, server_default=sa.func.now()),
+        sa.Column("actor", sa.Text, nullable=False),
+        sa.Column("action", sa.Text, nullable=False),
+        sa.Column("dry_run", sa.Boolean, nullable=False),
+        sa.Column("filters", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+        sa.Column("ids", pg.JSONB, nullable=False, server_default=sa.text("'[]'::jsonb")),
+        sa.Column("changed", sa.Integer, nullable=False, server_default=sa.text("0")),
+        schema=schema,
+    )
+    op.create_index("ix_ledgerbox_ops_audit_at", "ledgerbox_ops_audit", ["at"], schema=schema)
+    op.create_table(
+        "ledgerbox_dlq_action",
+        sa.Column("dlq_topic", sa.Text, primary_key=True),
+        sa.Column("partition", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("offset", sa.BigInteger, primary_key=True, autoincrement=False),
+        sa.Column("consumer_group", sa.Text, nullable=True),
+        sa.Column("state", sa.Text, nullable=False),
+        sa.Column("audit_id", sa.BigInteger, nullable=False),
+        sa.Column("at", _TZ, nullable=False, server_default=sa.func.now()),
+        schema=schema,
+    )
+
+
+def drop_ops_v3(op: Any, schema: str | None = None) -> None:
+    """Drop what :func:`create_ops_v3` created (the audit trail with it)."""
+    schema = None if schema is None else sql_identifier(schema, "schema")
+    op.drop_table("ledgerbox_dlq_action", schema=schema)
+    op.drop_table("ledgerbox_ops_audit", schema=schema)

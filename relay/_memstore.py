@@ -38,6 +38,9 @@ from ledgerbox.relay._store import (
     Cursor,
     CursorWrite,
     DeadLetter,
+    DeadQuery,
+    DeadRow,
+    HeldKeyRow,
     OpenedShard,
     PersistOutcome,
     RebasedShard,
@@ -475,6 +478,88 @@ class InMemoryRelayStore:
 
     async def replay_dead_lettered(self, row_id: int) -> int:
         return self._release(row_id, _PENDING)
+
+    async def dead_lettered(self, query: DeadQuery) -> list[DeadRow]:
+        now, found = self._t.clock(), []
+        ids = None if query.ids is None else set(query.ids)
+        for row in self._t.rows.values():
+            e = row.event
+            if row.status != _DEAD or (ids is not None and e.id not in ids):
+                continue
+            if query.key is not None and e.partition_key != query.key:
+                continue
+            if query.event_type is not None and e.event_type != query.event_type:
+                continue
+            if query.topic is not None and e.topic != query.topic:
+                continue
+            if query.older_than_s is not None and not row.created_at < now - query.older_than_s:
+                continue
+            if (
+                query.error is not None
+                and query.error.lower() not in (row.last_error or "").lower()
+            ):
+                continue
+            found.append(self._dead_row(row, query.with_body))
+            if len(found) >= query.limit:
+                break
+        return found
+
+    def _dead_row(self, row: _Row, with_body: bool) -> DeadRow:
+        e, rows = row.event, list(self._t.rows.values())
+        later = [
+            r.event.id
+            for r in rows
+            if r.status == _DEAD and r.event.partition_key == e.partition_key and r.event.id > e.id
+        ]
+        stop = min(later, default=None)
+        held = sum(
+            1
+            for r in rows
+            if r.status == _HELD
+            and r.event.partition_key == e.partition_key
+            and r.event.id > e.id
+            and (stop is None or r.event.id < stop)
+        )
+        return DeadRow(
+            id=e.id,
+            event_id=e.event_id,
+            key=e.partition_key,
+            event_type=e.event_type,
+            topic=e.topic,
+            shard=e.shard,
+            attempts=row.attempts,
+            last_error=row.last_error,
+            created_at=dt.datetime.fromtimestamp(row.created_at, dt.UTC),
+            occurred_at=dt.datetime.fromtimestamp(e.occurred_at_ms / 1000, dt.UTC),
+            held_behind=held,
+            payload=e.payload.decode() if with_body else None,
+            headers=e.headers if with_body else None,
+        )
+
+    async def held_keys(self, limit: int) -> list[HeldKeyRow]:
+        rows = list(self._t.rows.values())
+        first: dict[str, _Row] = {}
+        dead: dict[str, int] = {}
+        for row in rows:
+            if row.status == _DEAD:
+                first.setdefault(row.event.partition_key, row)
+                dead[row.event.partition_key] = dead.get(row.event.partition_key, 0) + 1
+        keys = sorted(first.values(), key=lambda r: r.event.id)[:limit]
+        return [
+            HeldKeyRow(
+                key=r.event.partition_key,
+                dead_id=r.event.id,
+                dead_event_id=r.event.event_id,
+                dead_count=dead[r.event.partition_key],
+                held=sum(
+                    1
+                    for h in rows
+                    if h.status == _HELD and h.event.partition_key == r.event.partition_key
+                ),
+                since=dt.datetime.fromtimestamp(r.created_at, dt.UTC),
+            )
+            for r in keys
+        ]
 
     async def discard_dead_lettered(self, row_id: int) -> int:
         return self._release(row_id, _DISCARDED)

@@ -43,6 +43,9 @@ from ledgerbox.relay._store import (
     Cursor,
     CursorWrite,
     DeadLetter,
+    DeadQuery,
+    DeadRow,
+    HeldKeyRow,
     OpenedShard,
     PersistOutcome,
     RebasedShard,
@@ -524,6 +527,44 @@ ORDER BY shard
 
 FIND_DEAD: LiteralString = """
 SELECT shard, partition_key FROM {outbox} WHERE id = %(id)s AND status = 2
+"""
+
+# Operator reads (ledgerbox relay dead list/show, relay status): dead-lettered rows through the
+# partial index (partition_key, id) WHERE status IN (2, 3); each with the count of its key's
+# held rows up to the key's next dead row (the rows a replay or discard of it releases).
+DEAD_LETTERED: LiteralString = """
+SELECT o.id, o.event_id::text, o.partition_key, o.event_type, o.topic, o.shard, o.attempts,
+  o.last_error, o.created_at, o.occurred_at,
+  (SELECT count(*) FROM {outbox} AS h
+    WHERE h.partition_key = o.partition_key AND h.status = 3 AND h.id > o.id
+      AND h.id < coalesce((SELECT min(d.id) FROM {outbox} AS d
+                           WHERE d.partition_key = o.partition_key AND d.status = 2
+                             AND d.id > o.id), 9223372036854775807)),
+  CASE WHEN %(body)s THEN o.payload::text END,
+  CASE WHEN %(body)s THEN o.headers::text END
+FROM {outbox} AS o
+WHERE o.status = 2
+  AND (%(ids)s::int8[] IS NULL OR o.id = ANY(%(ids)s::int8[]))
+  AND (%(key)s::text IS NULL OR o.partition_key = %(key)s::text)
+  AND (%(event_type)s::text IS NULL OR o.event_type = %(event_type)s::text)
+  AND (%(topic)s::text IS NULL OR o.topic = %(topic)s::text)
+  AND (%(older)s::float8 IS NULL
+       OR o.created_at < now() - make_interval(secs => %(older)s::float8))
+  AND (%(error)s::text IS NULL
+       OR strpos(lower(coalesce(o.last_error, '')), lower(%(error)s::text)) > 0)
+ORDER BY o.id
+LIMIT %(limit)s
+"""
+HELD_KEYS: LiteralString = """
+WITH d AS (SELECT partition_key, min(id) AS dead_id, count(*) AS dead_count
+           FROM {outbox} WHERE status = 2 GROUP BY partition_key),
+     h AS (SELECT partition_key, count(*) AS held
+           FROM {outbox} WHERE status = 3 GROUP BY partition_key)
+SELECT d.partition_key, d.dead_id, o.event_id::text, d.dead_count, coalesce(h.held, 0),
+  o.created_at
+FROM d JOIN {outbox} AS o ON o.id = d.dead_id LEFT JOIN h ON h.partition_key = d.partition_key
+ORDER BY d.dead_id
+LIMIT %(limit)s
 """
 
 # Serializes with PERSIST_HELD of the same shard (it locks the lease row first).
@@ -1072,6 +1113,53 @@ class PgRelayStore:
         """Send a dead-lettered row again, with the held and unpublished rows of its key
         behind it, in id order (one transaction); returns the rows stamped."""
         return await self._release(row_id, 0, "replay_dead_lettered")
+
+    async def dead_lettered(self, query: DeadQuery) -> list[DeadRow]:
+        """The dead-lettered rows ``query`` selects, in id order."""
+        params = {
+            "ids": None if query.ids is None else _ints(query.ids),
+            "key": query.key,
+            "event_type": query.event_type,
+            "topic": query.topic,
+            "older": query.older_than_s,
+            "error": query.error,
+            "limit": query.limit,
+            "body": query.with_body,
+        }
+        rows = await self._fetch(DEAD_LETTERED, params, "dead_lettered")
+        return [
+            DeadRow(
+                id=int(r[0]),
+                event_id=str(r[1]),
+                key=str(r[2]),
+                event_type=str(r[3]),
+                topic=str(r[4]),
+                shard=int(r[5]),
+                attempts=int(r[6]),
+                last_error=r[7],
+                created_at=r[8],
+                occurred_at=r[9],
+                held_behind=int(r[10]),
+                payload=r[11],
+                headers=r[12],
+            )
+            for r in rows
+        ]
+
+    async def held_keys(self, limit: int) -> list[HeldKeyRow]:
+        """Keys with a dead-lettered row, by their first dead row's id."""
+        rows = await self._fetch(HELD_KEYS, {"limit": limit}, "held_keys")
+        return [
+            HeldKeyRow(
+                key=str(r[0]),
+                dead_id=int(r[1]),
+                dead_event_id=str(r[2]),
+                dead_count=int(r[3]),
+                held=int(r[4]),
+                since=r[5],
+            )
+            for r in rows
+        ]
 
     async def discard_dead_lettered(self, row_id: int) -> int:
         """Give up a dead-lettered row (``status = 4``); release its key's held rows."""

@@ -28,6 +28,7 @@ Times are the database's (``now()``): clocks of relay machines are never compare
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,9 @@ __all__ = [
     "Cursor",
     "CursorWrite",
     "DeadLetter",
+    "DeadQuery",
+    "DeadRow",
+    "HeldKeyRow",
     "OpenedShard",
     "PersistOutcome",
     "RebasedShard",
@@ -155,6 +159,64 @@ class DeadLetter:
     id: int
     shard: int
     error: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeadQuery:
+    """Which dead-lettered rows (``status = 2``) :meth:`RelayStore.dead_lettered` returns;
+    ``None`` fields match any row.
+
+    ``ids``: only these row ids; ``key``, ``event_type``, ``topic``: exact;
+    ``older_than_s``: created more than this many seconds ago (database clock); ``error``:
+    case-insensitive substring of ``last_error``; ``limit``: at most this many, in id
+    order; ``with_body``: also the payload and headers (JSON text).
+    """
+
+    ids: Sequence[int] | None = None
+    key: str | None = None
+    event_type: str | None = None
+    topic: str | None = None
+    older_than_s: float | None = None
+    error: str | None = None
+    limit: int = 100
+    with_body: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeadRow:
+    """A dead-lettered row as an operator sees it. ``held_behind``: rows of its key held
+    (``status = 3``) behind it, up to the key's next dead-lettered row; ``payload`` and
+    ``headers`` only with ``DeadQuery.with_body``. Times are UTC."""
+
+    id: int
+    event_id: str
+    key: str
+    event_type: str
+    topic: str
+    shard: int
+    attempts: int
+    last_error: str | None
+    created_at: dt.datetime
+    occurred_at: dt.datetime
+    held_behind: int
+    payload: str | None = None
+    headers: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeldKeyRow:
+    """A key with a dead-lettered row: later rows of it wait (``on_dead_letter="hold"``).
+
+    ``dead_id`` / ``dead_event_id``: its first dead-lettered row, ``dead_count``: its
+    dead-lettered rows, ``held``: its rows with ``status = 3``, ``since``: ``created_at``
+    of ``dead_id`` (UTC)."""
+
+    key: str
+    dead_id: int
+    dead_event_id: str
+    dead_count: int
+    held: int
+    since: dt.datetime
 
 
 class PersistOutcome(enum.Enum):
@@ -395,6 +457,12 @@ class RelayStore(Protocol):
         key not yet published (up to the key's next dead-lettered row) are stamped with this
         transaction's id, so they are read again in id order; returns the rows stamped (0 if
         the row is not dead-lettered)."""
+
+    async def dead_lettered(self, query: DeadQuery) -> list[DeadRow]:
+        """The dead-lettered rows ``query`` selects, in id order (a read; nothing locked)."""
+
+    async def held_keys(self, limit: int) -> list[HeldKeyRow]:
+        """Up to ``limit`` keys with a dead-lettered row, by their first dead row's id."""
 
     async def discard_dead_lettered(self, row_id: int) -> int:
         """Give up a dead-lettered row (``status = 4``, never sent); the held rows of its key

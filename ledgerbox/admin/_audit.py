@@ -1,14 +1,235 @@
-"""The audit trail of operator actions (table ``ledgerbox_ops_audit``)."""
+"""The operator API's storage seam: the ONLY module of ``ledgerbox.admin`` that runs SQL.
+
+It writes the audit trail (``ledgerbox_ops_audit``: one row per operator action, dry runs
+too) and the state of dead-letter records (``ledgerbox_dlq_action``), and asks the inbox
+for a replay (the inbox store's own statement ``REQUEST_REPLAY``, run here so that it
+commits in the same transaction as the audit row). Reads and writes of the outbox go
+through the relay store (:class:`ledgerbox.relay._pgstore.PgRelayStore`). Driver errors
+become :class:`ledgerbox.DatabaseError` here.
+"""
 
 from __future__ import annotations
 
-from ledgerbox.admin._types import AuditEntry, Database
+import contextlib
+import datetime as dt
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, LiteralString
 
-__all__ = ["list_audit"]
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from ledgerbox._core.errors import DatabaseError
+from ledgerbox.admin._table import AUDIT_TABLE, DLQ_ACTION_TABLE
+from ledgerbox.admin._types import ActionResult, AuditEntry, Database
+from ledgerbox.inbox._store import REQUEST_REPLAY
+
+__all__ = ["AdminStore", "Audited", "async_url", "list_audit", "log_action"]
+
+log = logging.getLogger("ledgerbox.admin")
+
+INSERT_AUDIT: LiteralString = """
+INSERT INTO {audit} (actor, action, dry_run, filters, ids, changed)
+VALUES (:actor, :action, :dry_run, CAST(:filters AS jsonb), CAST(:ids AS jsonb), :changed)
+RETURNING id, at
+"""
+LIST_AUDIT: LiteralString = """
+SELECT id, at, actor, action, dry_run, filters, ids, changed FROM {audit}
+WHERE CAST(:action AS text) IS NULL OR action = CAST(:action AS text)
+ORDER BY id DESC LIMIT :limit
+"""
+DLQ_STATES: LiteralString = """
+SELECT "partition", "offset", state FROM {dlq_action} WHERE dlq_topic = :topic
+"""
+# A discard is final; a replayed record may be replayed again (the inbox recognises an
+# applied event by its id) or discarded.
+MARK_DLQ: LiteralString = """
+INSERT INTO {dlq_action} AS a (dlq_topic, "partition", "offset", consumer_group, state, audit_id)
+SELECT :topic, v.p, v.o, v.g, :state, :audit_id
+FROM unnest(CAST(:partitions AS integer[]), CAST(:offsets AS bigint[]), CAST(:groups AS text[]))
+  AS v(p, o, g)
+ON CONFLICT (dlq_topic, "partition", "offset") DO UPDATE
+SET state = EXCLUDED.state, audit_id = EXCLUDED.audit_id, at = now()
+WHERE a.state <> 'discarded'
+"""
+
+
+class Audited:
+    """What :meth:`AdminStore.audit` wrote: the audit row's ``id`` and ``at`` (UTC)."""
+
+    __slots__ = ("at", "id")
+
+    def __init__(self, id: int, at: dt.datetime) -> None:
+        self.id = id
+        self.at = at
+
+
+def async_url(url: str) -> str:
+    """``url`` for SQLAlchemy's async psycopg driver (``postgresql://`` gets
+    ``+psycopg``)."""
+    for plain in ("postgresql://", "postgres://"):
+        if url.startswith(plain):
+            return "postgresql+psycopg://" + url[len(plain) :]
+    return url
+
+
+def log_action(result: ActionResult, filters: dict[str, Any]) -> None:
+    """The one INFO line of an operator action (logger ``ledgerbox.admin``)."""
+    log.info(
+        "operator action %s by %s: ids=%s changed=%d dry_run=%s filters=%s audit_id=%d",
+        result.action,
+        result.actor,
+        result.ids,
+        result.changed,
+        result.dry_run,
+        json.dumps(filters, sort_keys=True, default=str),
+        result.audit_id,
+    )
+
+
+class AdminStore:
+    """The operator tables of one database (:class:`~ledgerbox.admin.Database`).
+
+    Every method raises :class:`ledgerbox.DatabaseError` when the database call fails
+    (within :meth:`begin`, nothing of the transaction is committed).
+    """
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        prefix = f"{db.schema}." if db.schema else ""  # validated identifiers
+        names = {
+            "audit": f"{prefix}{AUDIT_TABLE}",
+            "dlq_action": f"{prefix}{DLQ_ACTION_TABLE}",
+            "table": f"{prefix}{db.inbox_table}",
+        }
+        self._insert_audit = sa.text(INSERT_AUDIT.format(**names))
+        self._list_audit = sa.text(LIST_AUDIT.format(**names))
+        self._dlq_states = sa.text(DLQ_STATES.format(**names))
+        self._mark_dlq = sa.text(MARK_DLQ.format(**names))
+        self._request_replay = sa.text(REQUEST_REPLAY.format(**names))
+        self._engine: AsyncEngine = create_async_engine(
+            async_url(db.url), poolclass=sa.pool.NullPool
+        )
+
+    @contextlib.asynccontextmanager
+    async def begin(self, what: str) -> AsyncIterator[AsyncConnection]:
+        """One transaction (committed when the block ends without an exception)."""
+        try:
+            async with self._engine.begin() as conn:
+                yield conn
+        except DatabaseError:
+            raise
+        except sa.exc.SQLAlchemyError as exc:
+            error = DatabaseError.translate(exc, what)
+            if error is None:
+                raise
+            raise error from exc
+
+    async def audit(
+        self,
+        conn: AsyncConnection,
+        *,
+        actor: str,
+        action: str,
+        dry_run: bool,
+        filters: dict[str, Any],
+        ids: Sequence[str],
+        changed: int,
+    ) -> Audited:
+        """Insert the audit row of one action in ``conn``'s transaction (the caller logs
+        the action with :func:`log_action` once it committed)."""
+        params = {
+            "actor": actor,
+            "action": action,
+            "dry_run": dry_run,
+            "filters": json.dumps(filters, sort_keys=True, default=str),
+            "ids": json.dumps(list(ids)),
+            "changed": changed,
+        }
+        row = (await conn.execute(self._insert_audit, params)).one()
+        return Audited(int(row[0]), row[1])
+
+    async def list_audit(self, limit: int, action: str | None) -> list[AuditEntry]:
+        """The newest ``limit`` audit rows (of ``action`` only, if given), newest first."""
+        async with self.begin("list audit") as conn:
+            rows = (await conn.execute(self._list_audit, {"limit": limit, "action": action})).all()
+        return [
+            AuditEntry(
+                id=int(r[0]),
+                at=r[1],
+                actor=r[2],
+                action=r[3],
+                dry_run=bool(r[4]),
+                filters=dict(r[5]),
+                ids=[str(i) for i in r[6]],
+                changed=int(r[7]),
+            )
+            for r in rows
+        ]
+
+    async def dlq_states(self, dlq_topic: str) -> dict[tuple[int, int], str]:
+        """``(partition, offset) -> "replayed" | "discarded"`` of ``dlq_topic``'s records an
+        operator acted on."""
+        async with self.begin("read dead-letter states") as conn:
+            rows = (await conn.execute(self._dlq_states, {"topic": dlq_topic})).all()
+        return {(int(p), int(o)): str(s) for p, o, s in rows}
+
+    async def mark_dlq(
+        self,
+        conn: AsyncConnection,
+        dlq_topic: str,
+        records: Sequence[tuple[int, int, str | None]],
+        state: str,
+        audit_id: int,
+    ) -> int:
+        """Record ``(partition, offset, group)`` of ``dlq_topic`` as ``state`` (a discarded
+        record stays discarded); returns the rows written."""
+        params = {
+            "topic": dlq_topic,
+            "state": state,
+            "audit_id": audit_id,
+            "partitions": [p for p, _o, _g in records],
+            "offsets": [o for _p, o, _g in records],
+            "groups": [g for _p, _o, g in records],
+        }
+        return int((await conn.execute(self._mark_dlq, params)).rowcount)
+
+    async def request_replay(
+        self, conn: AsyncConnection, group: str, event_ids: Sequence[uuid.UUID]
+    ) -> int:
+        """The inbox's replay hook in ``conn``'s transaction: ``group``'s DEAD_LETTERED rows
+        of ``event_ids`` become REPLAY_REQUESTED; returns how many."""
+        params = {"group": group, "event_ids": list(event_ids)}
+        return int((await conn.execute(self._request_replay, params)).rowcount)
+
+    async def aclose(self) -> None:
+        """Release the engine."""
+        await self._engine.dispose()
 
 
 async def list_audit(
     db: Database, *, limit: int = 50, action: str | None = None
 ) -> list[AuditEntry]:
-    """The newest audit rows first."""
-    raise NotImplementedError
+    """The audit rows of operator actions, newest first.
+
+    Parameters
+    ----------
+    db : Database
+    limit : int
+        At most this many rows.
+    action : str | None
+        Only this action (``relay.dead.replay``, ...); ``None``: all.
+
+    Raises
+    ------
+    ledgerbox.DatabaseError
+        If the read failed (e.g. the operator tables are missing: run ``ledgerbox
+        migrate``).
+    """
+    store = AdminStore(db)
+    try:
+        return await store.list_audit(limit, action)
+    finally:
+        await store.aclose()

@@ -72,6 +72,8 @@ def test_the_wheel_carries_every_subpackage_and_the_migration_scripts(wheel: Pat
         "ledgerbox/migrations/script.py.mako",
         "ledgerbox/migrations/versions/0001_ledgerbox_tables.py",
         "ledgerbox/migrations/versions/0002_relay_snapshot_cursor.py",
+        "ledgerbox/migrations/versions/0003_operator_tables.py",
+        "ledgerbox/admin/__init__.py",
         "ledgerbox/py.typed",
     ):
         assert required in names, required

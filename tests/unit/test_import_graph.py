@@ -11,7 +11,8 @@ count as a cycle. Imports by string (``importlib.import_module(name)``) are not 
 
 Layers (the house style's rule 6): ``_core`` imports no other
 subpackage; ``outbox`` only itself and ``_core``; ``relay`` and ``inbox`` may import ``outbox``
-and ``_core`` but never each other; ``migrations`` may import the table modules of the three
+and ``_core`` but never each other; ``admin`` (the operator API) may import ``relay``,
+``inbox``, ``outbox`` and ``_core``; ``migrations`` may import the table modules of the four
 (``_table``, and ``outbox._types``, their column types); nothing but ``ledgerbox.cli``
 imports ``migrations``.
 """
@@ -159,7 +160,8 @@ def _cycle_in(graph: Mapping[str, set[str]], component: set[str], start: str) ->
 
 
 def layer_of(module: str) -> str:
-    """``_core``, ``outbox``, ``relay``, ``inbox``, ``migrations``, ``cli`` or ``root``."""
+    """``_core``, ``outbox``, ``relay``, ``inbox``, ``admin``, ``migrations``, ``cli`` or
+    ``root``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[1] != "__main__" else "root"
 
@@ -170,8 +172,10 @@ ALLOWED: dict[str, set[str]] = {
     "outbox": {"_core"},
     "relay": {"outbox", "_core"},
     "inbox": {"outbox", "_core"},
-    "migrations": {"_core"},  # and the three table modules, see TABLE_MODULES
-    "cli": {"outbox", "relay", "inbox", "migrations", "_core", "root"},
+    "migrations": {"_core"},  # and the table modules, see TABLE_MODULES
+    # The operator API acts on the relay's and the inbox's tables and topics.
+    "admin": {"outbox", "relay", "inbox", "_core"},
+    "cli": {"outbox", "relay", "inbox", "admin", "migrations", "_core", "root"},
     "root": {"_core", "cli"},
 }
 TABLE_MODULES = {
@@ -179,6 +183,7 @@ TABLE_MODULES = {
     "ledgerbox.outbox._types",  # the column types of the table modules (xid8, pg_snapshot)
     "ledgerbox.inbox._table",
     "ledgerbox.relay._table",
+    "ledgerbox.admin._table",
 }
 
 
