@@ -234,7 +234,8 @@ _SECURITY_HEADERS = {
     "X-Frame-Options": "DENY",  # no clickjacking of the replay buttons
     "Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; "
     "script-src 'unsafe-inline'; frame-ancestors 'none'; form-action 'self'",
-    "Referrer-Policy": "no-referrer",
+    # Not "no-referrer": Chromium then sends "Origin: null" with the forms (refused below).
+    "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
 

@@ -7,6 +7,7 @@ readings of a counter into a rate.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from ledgerbox.console._source import ConsoleSource, RelayStatus
 __all__ = ["RateMeter", "Section", "ServiceView", "gather"]
 
 T = TypeVar("T")
+_log = logging.getLogger("ledgerbox.console")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,9 @@ async def _section(read: Awaitable[T]) -> Section[T]:
         return Section(await read)
     except LedgerboxError as exc:
         return Section(None, scrub(f"{type(exc).__name__}: {exc}".splitlines()[0]))
+    except Exception as exc:  # a bug must not take the whole page (and the other services) down
+        _log.exception("console: a section failed")
+        return Section(None, scrub(f"internal error ({type(exc).__name__}): see the console's log"))
 
 
 async def _service(source: ConsoleSource, service: ServiceTarget, rates: RateMeter) -> ServiceView:
