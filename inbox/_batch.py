@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ledgerbox.inbox._context import HandlerContext
+from ledgerbox.inbox._deadletter import replay_target
 from ledgerbox.inbox._deps import PipelineDeps
 from ledgerbox.inbox._handlers import Registered
 from ledgerbox.inbox._message import MessagePipeline
@@ -62,7 +63,7 @@ class BatchPipeline:
             if abandon():  # revoked or stopping: the rest is the next owner's
                 outcomes.append(Outcome.ABANDONED)
                 return outcomes
-            j, registered = self._batchable_run(parsed, i)
+            j, registered = self._batchable_run(parsed, i, records)
             run: list[Outcome] | None = None
             if j - i >= 2 and registered is not None:
                 events = [p for p in parsed[i:j] if isinstance(p, EventEnvelope)]
@@ -82,15 +83,19 @@ class BatchPipeline:
             i = max(j, i + 1)
         return outcomes
 
-    def _batchable_run(self, parsed: Sequence[Parsed], start: int) -> tuple[int, Registered | None]:
+    def _batchable_run(
+        self, parsed: Sequence[Parsed], start: int, records: Sequence[Record]
+    ) -> tuple[int, Registered | None]:
         # The end of the run of events starting at ``start`` that may share a transaction.
+        # An operator's replay of a dead-letter record goes alone (the per-message path
+        # decides whether this group runs it).
         deps = self.deps
         limit = 1 if deps.lock is not None else deps.config.batch_max_records
         kind: Registered | None = None
         end = start
         while end < len(parsed) and end - start < limit:
             event = parsed[end]
-            if not isinstance(event, EventEnvelope):
+            if not isinstance(event, EventEnvelope) or replay_target(records[end].headers):
                 break
             registered = deps.handlers.get(event.event_type)
             if registered is None or (kind is not None and registered.is_async != kind.is_async):

@@ -30,6 +30,7 @@ import typer
 from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
+from ledgerbox._core.operator_settings import OPERATOR_FILTERS
 from ledgerbox._core.redaction import install_scrub_filter, scrub
 from ledgerbox._core.settings import (
     CommandSettings,
@@ -107,8 +108,23 @@ CONSUMER_SETTINGS = CommandSettings(
         Setting(
             "older_than_s",
             float,
-            help="Purge rows older than this (unset: the consumer's retention_s)",
+            help="purge: rows older than this (unset: the consumer's retention_s); dlq: only"
+            " records dead-lettered more than this long ago",
             unit="s",
+        ),
+        # `ledgerbox consumer dlq ...` and `ledgerbox consumer lag` (ledgerbox.admin;
+        # docs/operations.md)
+        *(s for s in OPERATOR_FILTERS if s.name != "older_than_s"),
+        Setting("schema", str, help="dlq: schema of the inbox and operator tables"),
+        Setting("inbox_table", str, default="inbox", help="dlq: the inbox table"),
+        Setting(
+            "dlq_topic",
+            str,
+            help="dlq: the dead-letter topic to read (<source topic>.dlq by default)",
+        ),
+        Setting("group", str, help="dlq: only records of this consumer group; lag: the group"),
+        Setting(
+            "topic", str, help="lag: these topics (comma-separated; unset: the group's own)"
         ),
     ],
     old_prefix="LEDGERBOX_INBOX_",

@@ -16,14 +16,18 @@ from ledgerbox.inbox._errors import DeadLetterError
 
 __all__ = [
     "H_ATTEMPTS",
+    "H_CONSUMER_GROUP",
     "H_ERROR_MESSAGE",
     "H_ERROR_TYPE",
+    "H_REPLAY_GROUP",
+    "H_REPLAY_ID",
     "H_SOURCE_OFFSET",
     "H_SOURCE_PARTITION",
     "H_SOURCE_TOPIC",
     "DeadLetterPublisher",
     "KafkaDeadLetterPublisher",
     "dead_letter_headers",
+    "replay_target",
 ]
 
 H_ERROR_TYPE = "ledgerbox_error_type"
@@ -32,9 +36,16 @@ H_ATTEMPTS = "ledgerbox_attempts"
 H_SOURCE_TOPIC = "ledgerbox_source_topic"
 H_SOURCE_PARTITION = "ledgerbox_source_partition"
 H_SOURCE_OFFSET = "ledgerbox_source_offset"
+#: The consumer group that dead-lettered the record (all groups of a topic share its DLQ).
+H_CONSUMER_GROUP = "ledgerbox_consumer_group"
+#: On a record an operator replayed from a dead-letter topic (``ledgerbox consumer dlq
+#: replay``): the ONE group that runs it; every other group acknowledges it without running
+#: a handler (docs/operations.md). ``H_REPLAY_ID``: the replay's audit id.
+H_REPLAY_GROUP = "ledgerbox_replay_group"
+H_REPLAY_ID = "ledgerbox_replay_id"
 _OURS = frozenset(
     {H_ERROR_TYPE, H_ERROR_MESSAGE, H_ATTEMPTS, H_SOURCE_TOPIC, H_SOURCE_PARTITION}
-    | {H_SOURCE_OFFSET}
+    | {H_SOURCE_OFFSET, H_CONSUMER_GROUP, H_REPLAY_GROUP, H_REPLAY_ID}
 )
 #: Error messages are cut so that a huge exception text cannot make the record too large.
 MAX_ERROR_MESSAGE_BYTES = 4096
@@ -48,11 +59,14 @@ def dead_letter_headers(
     topic: str,
     partition: int,
     offset: int,
+    group: str | None = None,
 ) -> list[tuple[str, bytes]]:
-    """Headers of a dead-letter record: the original ones, then the reason and the source.
+    """Headers of a dead-letter record: the original ones, then the reason, the source and
+    the consumer group (``group``; ``None``: no group header).
 
     ``ledgerbox_error_type`` is the exception's qualified class name; earlier copies of our
-    own headers (a record dead-lettered twice) are replaced, not repeated.
+    own headers (a record dead-lettered twice, a replayed record's target group) are
+    replaced, not repeated.
     """
     cls = type(error)
     message = str(error).encode("utf-8", "replace")[:MAX_ERROR_MESSAGE_BYTES]
@@ -65,7 +79,17 @@ def dead_letter_headers(
         (H_SOURCE_TOPIC, topic.encode()),
         (H_SOURCE_PARTITION, str(partition).encode()),
         (H_SOURCE_OFFSET, str(offset).encode()),
+        *([(H_CONSUMER_GROUP, group.encode())] if group is not None else []),
     ]
+
+
+def replay_target(headers: Sequence[tuple[str, bytes]] | None) -> str | None:
+    """The group an operator replayed this record for (its ``ledgerbox_replay_group``
+    header), ``None`` for an ordinary record."""
+    for name, value in headers or ():
+        if name == H_REPLAY_GROUP:
+            return value.decode("utf-8", "replace")
+    return None
 
 
 @runtime_checkable

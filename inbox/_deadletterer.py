@@ -115,6 +115,7 @@ class DeadLetterer:
             topic=record.topic,
             partition=record.partition,
             offset=record.offset,
+            group=deps.group_id,
         )
         key = (record.topic, record.partition)
         retry = 0

@@ -32,6 +32,7 @@ from typing import Any
 
 from ledgerbox._core.faults import Fault
 from ledgerbox.inbox._context import HandlerContext
+from ledgerbox.inbox._deadletter import replay_target
 from ledgerbox.inbox._deadletterer import DeadLetterer, stall_cause
 from ledgerbox.inbox._deps import PipelineDeps
 from ledgerbox.inbox._errors import (
@@ -92,6 +93,18 @@ class MessagePipeline:
         already has it. Returns the record's :class:`inbox.Outcome`.
         """
         deps = self.deps
+        target = replay_target(record.headers)
+        if target is not None and target != deps.group_id:
+            # An operator replayed this record for another group (docs/operations.md): this
+            # group applied the event already or dead-lettered it itself (final for it).
+            _log.debug(
+                "record %s[%d]@%d is a replay for group %s: acknowledged without running",
+                record.topic,
+                record.partition,
+                record.offset,
+                target,
+            )
+            return Outcome.IGNORED
         if parsed is None:
             parsed = parse_record(record)
         if isinstance(parsed, EnvelopeParseError):

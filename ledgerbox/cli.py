@@ -3,8 +3,10 @@
 ::
 
     ledgerbox migrate                 create/upgrade the ledgerbox tables (Alembic)
-    ledgerbox relay run|check|status  the outbox relay daemon
-    ledgerbox consumer run|check|purge  an inbox consumer
+    ledgerbox relay run|check|status|rebase   the outbox relay daemon
+    ledgerbox relay dead list|show|replay|discard   dead-lettered outbox events
+    ledgerbox consumer run|check|purge|lag    an inbox consumer, its lag
+    ledgerbox consumer dlq list|show|replay|discard  dead-letter records
     ledgerbox console                 the ops console in the browser (docs/console.md)
 
 One naming scheme for every command (docs/configuration.md): setting ``field_name`` of
@@ -28,10 +30,12 @@ from ledgerbox._core.settings import Values
 __all__ = ["app", "main"]
 
 #: Sub-command groups, imported only when used: ``ledgerbox relay run`` does not load the
-#: inbox (SQLAlchemy, Redis client), which keeps the relay daemon's memory down.
+#: inbox (SQLAlchemy, Redis client), which keeps the relay daemon's memory down. The operator
+#: commands (``relay dead``, ``consumer dlq``, ``consumer lag``: :mod:`ledgerbox.admin`) are
+#: added to the daemons' groups by the admin package's CLI modules.
 _LAZY = {
-    "relay": ("ledgerbox.relay._cli", "app"),
-    "consumer": ("ledgerbox.inbox._cli", "app"),
+    "relay": ("ledgerbox.admin._relay_cli", "relay_app"),
+    "consumer": ("ledgerbox.admin._consumer_cli", "consumer_app"),
     "console": ("ledgerbox.console._cli", "app"),
 }
 

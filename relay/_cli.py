@@ -26,6 +26,7 @@ import typer
 from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
+from ledgerbox._core.operator_settings import OPERATOR_FILTERS
 from ledgerbox._core.redaction import install_scrub_filter, scrub
 from ledgerbox._core.settings import (
     CommandSettings,
@@ -87,6 +88,9 @@ RELAY_SETTINGS = CommandSettings(
             help="rebase: rows created up to this long before a shard's last persist are sent"
             " again too (clock skew between the old and the new server)",
         ),
+        # `ledgerbox relay dead list|show|replay|discard` (ledgerbox.admin; docs/operations.md)
+        *OPERATOR_FILTERS,
+        Setting("topic", str, help="dead: only rows of this topic"),
     ],
 )
 
@@ -180,7 +184,8 @@ async def _check(config: RelayConfig) -> CheckResult:
     app, "status", ["database_url", "outbox_table", "schema", "shard_count"]
 )
 def status(values: Values, ctx: typer.Context) -> None:
-    """Pending count, oldest pending age, dead count and the shard owners."""
+    """Pending count, oldest pending age, dead count, the shard owners and the held keys
+    (each key behind a dead-lettered event: which event, how many wait)."""
     # status reads the database only: no Kafka address is needed (nor used).
     config = _config({**values, "kafka_bootstrap_servers": "unused-by-status:0"})
 
@@ -188,6 +193,7 @@ def status(values: Values, ctx: typer.Context) -> None:
         store = pg_store_factory(config)("status")
         try:
             stats = await store.stats(config.shard_count)
+            keys = await store.held_keys(_HELD_KEYS_SHOWN)
         finally:
             await store.aclose()
         age = stats.oldest_pending_age_s
@@ -204,6 +210,16 @@ def status(values: Values, ctx: typer.Context) -> None:
         for label, shards in sorted(owners.items()):
             typer.echo(f"{label}: {_ranges(shards)}")
         typer.echo(f"held: {stats.held}")
+        for held in keys:
+            typer.echo(
+                f"held key {held.key}: dead event {held.dead_id} ({held.dead_event_id}),"
+                f" {held.held} held behind it, since {held.since:%Y-%m-%dT%H:%M:%SZ}"
+                f" (`ledgerbox relay dead replay|discard {held.dead_id}`)"
+            )
+        if len(keys) == _HELD_KEYS_SHOWN:
+            typer.echo(
+                f"held keys: the first {_HELD_KEYS_SHOWN} shown (`ledgerbox relay dead list`)"
+            )
         if stats.refused:
             typer.echo(
                 f"refused shards: {_ranges([s for s, _ in stats.refused])}: {stats.refused[0][1]}"
@@ -267,6 +283,10 @@ def rebase(values: Values, ctx: typer.Context) -> None:
         typer.echo(f"rebase failed: {exc}", err=True)
         raise typer.Exit(1) from exc
     raise typer.Exit(code)
+
+
+#: ``relay status`` lists at most this many held keys.
+_HELD_KEYS_SHOWN = 20
 
 
 def _ranges(values: list[int]) -> str:

@@ -25,6 +25,9 @@ from ledgerbox.relay._store import (
     Claim,
     CursorWrite,
     DeadLetter,
+    DeadQuery,
+    DeadRow,
+    HeldKeyRow,
     OpenedShard,
     PersistOutcome,
     RebasedShard,
@@ -111,6 +114,12 @@ class DelegatingStore:
 
     async def discard_dead_lettered(self, row_id: int) -> int:
         return await self.inner.discard_dead_lettered(row_id)
+
+    async def dead_lettered(self, query: DeadQuery) -> list[DeadRow]:
+        return await self.inner.dead_lettered(query)
+
+    async def held_keys(self, limit: int) -> list[HeldKeyRow]:
+        return await self.inner.held_keys(limit)
 
     async def rebase(self, margin_s: float, *, dry_run: bool) -> list[RebasedShard]:
         return await self.inner.rebase(margin_s, dry_run=dry_run)

@@ -311,6 +311,7 @@ class CommandSettings:
         names: Sequence[str],
         *,
         switches: Mapping[str, str] | None = None,
+        arguments: Mapping[str, str] | None = None,
     ) -> Callable[[Callable[[Values, typer.Context], None]], Callable[..., None]]:
         """Register ``body(values, ctx)`` as ``app``'s sub-command ``command_name`` with one
         option per setting in ``names`` (plus hidden deprecated flags). ``values`` are the
@@ -321,12 +322,18 @@ class CommandSettings:
         ``--force``), given on the command line and never read from the environment (an
         operator's ``--force`` must not be inherited from a shell); ``values[name]`` is
         ``True`` or ``False``.
+
+        ``arguments``: name -> help of positional arguments of this command only (row ids,
+        record references), each taking any number of values; ``values[name]`` is a list of
+        strings (empty when none is given).
         """
         switches = dict(switches or {})
+        arguments = dict(arguments or {})
 
         def decorate(body: Callable[[Values, typer.Context], None]) -> Callable[..., None]:
             def handler(ctx: typer.Context, **given: Any) -> None:
-                flags = {name: bool(given.pop(name, False)) for name in switches}
+                flags: dict[str, Any] = {n: bool(given.pop(n, False)) for n in switches}
+                flags.update({n: list(given.pop(n, None) or ()) for n in arguments})
                 try:
                     values = self.resolve(names, given)
                 except SettingsError as exc:
@@ -338,6 +345,17 @@ class CommandSettings:
                     "ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context
                 )
             ]
+            for name, text in arguments.items():
+                params.append(
+                    inspect.Parameter(
+                        name,
+                        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                        default=None,
+                        annotation=Annotated[
+                            list[str] | None, typer.Argument(help=text, show_default=False)
+                        ],
+                    )
+                )
             for name in names:
                 s = self.settings[name]
                 option = typer.Option(

@@ -226,8 +226,8 @@ async def _act(
 ) -> ActionResult:
     if bool(ids) == (filter is not None):
         raise InvalidFilterError(
-            "give either outbox row ids or a filter (--key, --event-type, --topic, "
-            "--older-than-s, --error, --all-dead), not both and not neither",
+            "give either outbox row ids or a filter, not both and not neither "
+            "(command line: ids, or --all-matching with --key/--event-type/--topic/...)",
             setting="ids",
         )
     actor = actor or default_actor()

@@ -153,7 +153,7 @@ def start_console(database_url: str, kafka: str, port: int, metrics_port: int, g
             f"{topic}.dlq",
             "--relay-metrics",
             f"http://127.0.0.1:{metrics_port}/metrics",
-        ],  # fmt: skip
+        ],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,

@@ -578,6 +578,7 @@ async def test_c13_poison_record_dead_lettered_and_partition_moves_on(
         b"1",
     )
     assert headers["ledgerbox_attempts"] == b"1"
+    assert headers["ledgerbox_consumer_group"] == group.encode(), "whose dead letter it is"
 
     # Restart: nothing is applied again; new work still flows.
     await produce(kafka_bootstrap, topic, [e3])

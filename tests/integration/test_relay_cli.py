@@ -9,6 +9,7 @@ import time
 
 from sqlalchemy import Engine, text
 
+from ledgerbox._core.names import SCHEMA_REVISION
 from tests import _relay_support as rs
 
 
@@ -27,7 +28,8 @@ def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_check_exit_code_follows_health(database_url: str, kafka_bootstrap: str) -> None:
     ok = _cli("check", DATABASE_URL=database_url, KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert ok.stdout.strip() == "relay ok: database ok (schema 0001), kafka ok (1 broker)"
+    expected = f"relay ok: database ok (schema {SCHEMA_REVISION}), kafka ok (1 broker)"
+    assert ok.stdout.strip() == expected
     bad = _cli("check", "--kafka-bootstrap-servers", "127.0.0.1:1", DATABASE_URL=database_url)
     assert bad.returncode == 2
     (line,) = bad.stdout.strip().splitlines()
@@ -49,6 +51,16 @@ def test_status_and_run_until_sigterm(
     assert lines[0] == f"pending: {rs.pending_count(engine)}"
     assert lines[2] == "dead-lettered: 1"
     assert lines[3] == "shards: no lease rows yet (no relay has started)", lines
+    with engine.connect() as conn:
+        dead_id, dead_event = conn.execute(
+            text("SELECT id, event_id FROM outbox WHERE partition_key = 's2'")
+        ).one()
+    held = [line for line in lines if line.startswith("held key ")]
+    assert held == [
+        f"held key s2: dead event {dead_id} ({dead_event}), 0 held behind it, since "
+        + held[0].rsplit("since ", 1)[1]
+    ], lines
+    assert f"`ledgerbox relay dead replay|discard {dead_id}`" in held[0]
 
     # This run's own broker (a hard-coded 127.0.0.1:9092 reached whatever listened there).
     proc = rs.relay_process(database_url, kafka_bootstrap, "--relay-id", "cli-run")

@@ -19,7 +19,7 @@ from ledgerbox.inbox import (
     LockBusyError,
     VersionConflictError,
 )
-from ledgerbox.inbox._deadletter import dead_letter_headers
+from ledgerbox.inbox._deadletter import dead_letter_headers, replay_target
 from ledgerbox.inbox._policy import (
     Outcome,
     check_transition,
@@ -357,6 +357,26 @@ def test_dead_letter_headers_keep_the_original_and_add_the_reason() -> None:
         [], error=ValueError("x" * 10_000), attempts=1, topic="t", partition=0, offset=0
     )
     assert len(dict(long)["ledgerbox_error_message"]) == 4096
+
+
+def test_dead_letter_headers_name_the_group_and_drop_an_earlier_replays_target() -> None:
+    # A replayed record (target group g1, replay id 7) dead-lettered again by g1: one group
+    # header, the new one; the replay headers do not survive into the new dead letter.
+    replayed = [
+        ("ce_id", b"1"),
+        ("ledgerbox_consumer_group", b"g1"),
+        ("ledgerbox_replay_group", b"g1"),
+        ("ledgerbox_replay_id", b"7"),
+    ]
+    headers = dead_letter_headers(
+        replayed, error=ValueError("no"), attempts=1, topic="t", partition=0, offset=5, group="g1"
+    )
+    names = [name for name, _ in headers]
+    assert names.count("ledgerbox_consumer_group") == 1
+    assert dict(headers)["ledgerbox_consumer_group"] == b"g1"
+    assert "ledgerbox_replay_group" not in names and "ledgerbox_replay_id" not in names
+    assert replay_target(replayed) == "g1"
+    assert replay_target([("ce_id", b"1")]) is None and replay_target(None) is None
 
 
 def test_schema_revision_is_the_head_of_the_migrations() -> None:

@@ -1,0 +1,28 @@
+"""Plain-text and JSON output of the operator commands (no heavy imports)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+
+__all__ = ["print_json", "short", "table"]
+
+
+def print_json(value: Any) -> None:
+    """One indented JSON document on stdout."""
+    typer.echo(json.dumps(value, indent=2, sort_keys=True))
+
+
+def table(rows: list[list[str]]) -> None:
+    """``rows`` (the first: the header) as left-aligned columns."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def short(text: str | None, width: int = 60) -> str:
+    """``text`` on one line, cut to ``width`` characters (``-`` for none)."""
+    one = " ".join((text or "-").split())
+    return one if len(one) <= width else one[: width - 3] + "..."
