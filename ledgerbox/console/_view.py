@@ -11,11 +11,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ledgerbox._core.errors import LedgerboxError
 from ledgerbox._core.redaction import scrub
-from ledgerbox.admin import DeadEvent, DlqRecord, HeldKey, PartitionLag
+from ledgerbox.admin import DeadEvent, DlqRecord, HeldKey, NotFoundError, PartitionLag
 from ledgerbox.console._config import ConsoleConfig, ServiceTarget
 from ledgerbox.console._source import ConsoleSource, RelayStatus
 
@@ -35,10 +35,13 @@ class Section(Generic[T]):
         ``None`` when ``error`` is set.
     error : str | None
         One line (scrubbed of secrets).
+    note : str | None
+        Shown with an empty ``value``: why there is nothing (not an error).
     """
 
     value: T | None
     error: str | None = None
+    note: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,14 +118,29 @@ class RateMeter:
         return rate
 
 
+def _failed(exc: Exception) -> Section[Any]:
+    if isinstance(exc, LedgerboxError):
+        return Section(None, scrub(f"{type(exc).__name__}: {exc}".splitlines()[0]))
+    # A bug must not take the whole page (and the other services) down.
+    _log.error("console: a section failed", exc_info=exc)
+    return Section(None, f"internal error ({type(exc).__name__}): see the console's log")
+
+
 async def _section(read: Awaitable[T]) -> Section[T]:
     try:
         return Section(await read)
-    except LedgerboxError as exc:
-        return Section(None, scrub(f"{type(exc).__name__}: {exc}".splitlines()[0]))
-    except Exception as exc:  # a bug must not take the whole page (and the other services) down
-        _log.exception("console: a section failed")
-        return Section(None, scrub(f"internal error ({type(exc).__name__}): see the console's log"))
+    except Exception as exc:
+        return _failed(exc)
+
+
+async def _dlq_section(read: Awaitable[list[DlqRecord]]) -> Section[list[DlqRecord]]:
+    # A dead-letter topic appears with its first record: until then there is nothing to show.
+    try:
+        return Section(await read)
+    except NotFoundError as exc:
+        return Section([], note=scrub(str(exc).splitlines()[0]))
+    except Exception as exc:
+        return _failed(exc)
 
 
 async def _service(source: ConsoleSource, service: ServiceTarget, rates: RateMeter) -> ServiceView:
@@ -133,7 +151,7 @@ async def _service(source: ConsoleSource, service: ServiceTarget, rates: RateMet
         _section(source.dead_events(service)),
     )
     dlq = await asyncio.gather(
-        *(_section(source.dlq_records(service, t)) for t in service.dlq_topics)
+        *(_dlq_section(source.dlq_records(service, t)) for t in service.dlq_topics)
     )
     lag = await asyncio.gather(*(_section(source.lag(service, g)) for g in service.groups))
     return ServiceView(

@@ -64,6 +64,10 @@ applied = sa.Table(
 )
 
 
+class Poison(Exception):
+    """The handler's bug of the test: dead-lettered at once (``dead_letter_on``)."""
+
+
 def chromium() -> str:
     """The chromium executable (scripts/browser.sh installs it); fails, never skips."""
     path = os.environ.get("LEDGERBOX_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -96,8 +100,10 @@ async def set_max_message_bytes(bootstrap: str, topic: str, value: int, *, creat
         await client.close()
 
 
-def order(writer: OutboxWriter, order_id: str, seq: int, *, big: bool = False) -> EventEnvelope:
-    payload: dict[str, Any] = {"order_id": order_id, "seq": seq}
+def order(
+    writer: OutboxWriter, order_id: str, seq: int, *, big: bool = False, poison: bool = False
+) -> EventEnvelope:
+    payload: dict[str, Any] = {"order_id": order_id, "seq": seq, "poison": poison}
     if big:  # random bytes: lz4 cannot shrink them under the topic's limit
         payload["blob"] = base64.b64encode(os.urandom(SMALL_LIMIT * 3)).decode()
     return writer.event(
@@ -184,7 +190,7 @@ async def wait_http(url: str, proc: subprocess.Popen[bytes], within_s: float = 6
 async def consumer_running(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Any]:
     started: list[tuple[InboxConsumer, asyncio.Task[None]]] = []
 
-    async def start(topic: str, group: str) -> InboxConsumer:
+    async def start(topic: str, group: str, fixed: dict[str, bool]) -> InboxConsumer:
         consumer = InboxConsumer(
             ConsumerConfig(
                 group_id=group,
@@ -192,11 +198,14 @@ async def consumer_running(database_url: str, kafka_bootstrap: str) -> AsyncIter
                 database_url=database_url,
                 kafka_bootstrap_servers=kafka_bootstrap,
                 commit_interval_ms=20,
+                dead_letter_on=[Poison],
             )
         )
 
         @consumer.handler("OrderPlaced")
         async def apply(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+            if event.payload.get("poison") and not fixed["handler"]:
+                raise Poison(f"order {event.payload['order_id']} cannot be applied yet")
             await ctx.session.execute(
                 sa.insert(applied).values(
                     event_id=str(event.event_id),
@@ -234,7 +243,8 @@ async def test_console_shows_a_dead_event_and_its_replay_is_applied_once(
     console = start_console(database_url, kafka_bootstrap, console_port, metrics_port, group, topic)
     base = f"http://127.0.0.1:{console_port}"
     try:
-        await consumer_running(topic, group)
+        fixed = {"handler": False}
+        await consumer_running(topic, group, fixed)
         dead = order(writer, "order-1", 1, big=True)
         rs.stage(engine, writer, [dead])
 
@@ -318,7 +328,7 @@ async def test_console_shows_a_dead_event_and_its_replay_is_applied_once(
                 await poll(all_applied, "the replayed event and the held ones applied", 90)
                 await asyncio.sleep(1.0)  # a duplicate delivery would land within this
                 rows = applied_rows(engine)
-                assert [(o, s) for o, s, _ in rows] == [
+                assert [(o, s) for o, s, _ in rows if o != "order-3"] == [
                     ("order-2", 1),
                     ("order-1", 1),
                     ("order-1", 2),
@@ -327,20 +337,53 @@ async def test_console_shows_a_dead_event_and_its_replay_is_applied_once(
                 assert rows[1][2] == str(dead.event_id), "replayed with its original event id"
                 assert [s for _, _, s in outbox_status(engine, topic)] == [0, 0, 0, 0]
 
+                # The inbox side: the handler cannot apply order-3: dead-lettered to the
+                # DLQ with its group; the page lists it; the bug fixed, replay from the page
+                # runs the handler once more, for this group only.
+                poisoned = order(writer, "order-3", 1, poison=True)
+                rs.stage(engine, writer, [poisoned])
+                dlq_row = section.locator("table.dlq-records tr[data-ref]")
+                deadline = time.monotonic() + 60
+                while not await dlq_row.count():
+                    assert time.monotonic() < deadline, "no DLQ record on the page within 60 s"
+                    await asyncio.sleep(0.5)
+                    await page.goto(base + "/")
+                text = await dlq_row.inner_text()
+                assert group in text and str(poisoned.event_id) in text and "Poison" in text
+                await page.screenshot(path=str(ARTIFACTS / "04-dlq-record.png"), full_page=True)
+                assert [o for o, _, _ in applied_rows(engine)].count("order-3") == 0
+                fixed["handler"] = True
+                async with page.expect_navigation():
+                    await dlq_row.locator("button.replay").click()
+                assert "Replay" in dialogs[-1] and group in dialogs[-1]
+                flash = await page.locator("#flash").inner_text()
+                assert "consumer.dlq.replay" in flash, flash
+
+                async def dlq_applied() -> bool:
+                    return [o for o, _, _ in applied_rows(engine)].count("order-3") >= 1
+
+                await poll(dlq_applied, "the replayed DLQ record applied", 60)
+                await asyncio.sleep(1.0)
+                rows = applied_rows(engine)
+                assert [(o, e) for o, _, e in rows if o == "order-3"] == [
+                    ("order-3", str(poisoned.event_id))
+                ], "applied once, with its event id"
+
                 await page.goto(base + "/")
                 assert "no dead event" in await section.inner_text()
                 assert "no key is held" in await section.inner_text()
+                assert not await dlq_row.count(), "a replayed DLQ record is no longer listed"
                 assert await page.locator("#orders-dead-count .value").inner_text() == "0"
                 lag = section.locator(f'table.lag[data-group="{group}"]')
                 assert "total" in await lag.inner_text(), await section.inner_text()
                 total = await lag.locator("tr").last.locator("th").last.inner_text()
                 assert total == "0", "the group consumed everything"
-                await page.screenshot(path=str(ARTIFACTS / "03-after-replay.png"), full_page=True)
+                await page.screenshot(path=str(ARTIFACTS / "05-after-replays.png"), full_page=True)
             finally:
                 await browser.close()
                 shutil.rmtree(profile, ignore_errors=True)
         actor = _audit_actors(engine)
-        assert actor == ["console:127.0.0.1"], actor
+        assert actor == ["console:127.0.0.1", "console:127.0.0.1"], actor
     finally:
         rs.stop_process(console)
         rs.stop_process(relay)
