@@ -254,10 +254,14 @@ async def test_console_shows_a_dead_event_and_its_replay_is_applied_once(
         await poll(is_dead, "the oversized event dead-lettered", within_s=60)
         rs.stage(engine, writer, [order(writer, "order-1", 2), order(writer, "order-1", 3)])
         rs.stage(engine, writer, [order(writer, "order-2", 1)])
+        # The inbox side: the handler cannot apply order-3 (until "fixed"): dead-lettered to
+        # the DLQ with the group's header.
+        poisoned = order(writer, "order-3", 1, poison=True)
+        rs.stage(engine, writer, [poisoned])
 
         async def held_and_other_applied() -> bool:
             statuses = [s for _, _, s in outbox_status(engine, topic)]
-            return statuses == [2, 3, 3, 0] and [(o, s) for o, s, _ in applied_rows(engine)] == [
+            return statuses == [2, 3, 3, 0, 0] and [(o, s) for o, s, _ in applied_rows(engine)] == [
                 ("order-2", 1)
             ]
 
@@ -280,6 +284,12 @@ async def test_console_shows_a_dead_event_and_its_replay_is_applied_once(
                 await asyncio.sleep(1.0)
                 await page.reload()  # a second reading of the relay's counter: the rate
                 section = page.locator("#service-orders")
+                dlq_row = section.locator("table.dlq-records tr[data-ref]")
+                deadline = time.monotonic() + 60
+                while not await dlq_row.count():
+                    assert time.monotonic() < deadline, "no DLQ record on the page within 60 s"
+                    await asyncio.sleep(0.5)
+                    await page.goto(base + "/")
                 row = section.locator(f'table.dead-events tr[data-id="{_dead_id(engine, topic)}"]')
                 await row.wait_for()
                 assert "order-1" in await row.inner_text()
@@ -288,7 +298,9 @@ async def test_console_shows_a_dead_event_and_its_replay_is_applied_once(
                 assert "2" in await held.locator("td").nth(3).inner_text(), "2 held behind"
                 assert await page.locator("#orders-dead-count .value").inner_text() == "1"
                 assert await page.locator("#orders-held-count .value").inner_text() == "2"
-                shot = ARTIFACTS / "01-dead-event.png"
+                lag = section.locator(f'table.lag[data-group="{group}"]')
+                await lag.wait_for()
+                shot = ARTIFACTS / "01-dead-event-and-dlq-record.png"
                 await page.screenshot(path=str(shot), full_page=True)
                 docs_shot = os.environ.get("LEDGERBOX_CONSOLE_SCREENSHOT")
                 if docs_shot:
@@ -335,22 +347,14 @@ async def test_console_shows_a_dead_event_and_its_replay_is_applied_once(
                     ("order-1", 3),
                 ], "each applied once, order-1 in its order"
                 assert rows[1][2] == str(dead.event_id), "replayed with its original event id"
-                assert [s for _, _, s in outbox_status(engine, topic)] == [0, 0, 0, 0]
+                assert [s for _, _, s in outbox_status(engine, topic)] == [0, 0, 0, 0, 0]
 
-                # The inbox side: the handler cannot apply order-3: dead-lettered to the
-                # DLQ with its group; the page lists it; the bug fixed, replay from the page
-                # runs the handler once more, for this group only.
-                poisoned = order(writer, "order-3", 1, poison=True)
-                rs.stage(engine, writer, [poisoned])
-                dlq_row = section.locator("table.dlq-records tr[data-ref]")
-                deadline = time.monotonic() + 60
-                while not await dlq_row.count():
-                    assert time.monotonic() < deadline, "no DLQ record on the page within 60 s"
-                    await asyncio.sleep(0.5)
-                    await page.goto(base + "/")
+                # The inbox side: the page lists order-3's DLQ record with its group; the bug
+                # fixed, replay from the page runs the handler once more, for this group only.
+                await page.goto(base + "/")
                 text = await dlq_row.inner_text()
                 assert group in text and str(poisoned.event_id) in text and "Poison" in text
-                await page.screenshot(path=str(ARTIFACTS / "04-dlq-record.png"), full_page=True)
+                await page.screenshot(path=str(ARTIFACTS / "03-dlq-record.png"), full_page=True)
                 assert [o for o, _, _ in applied_rows(engine)].count("order-3") == 0
                 fixed["handler"] = True
                 async with page.expect_navigation():
@@ -374,11 +378,10 @@ async def test_console_shows_a_dead_event_and_its_replay_is_applied_once(
                 assert "no key is held" in await section.inner_text()
                 assert not await dlq_row.count(), "a replayed DLQ record is no longer listed"
                 assert await page.locator("#orders-dead-count .value").inner_text() == "0"
-                lag = section.locator(f'table.lag[data-group="{group}"]')
                 assert "total" in await lag.inner_text(), await section.inner_text()
                 total = await lag.locator("tr").last.locator("th").last.inner_text()
                 assert total == "0", "the group consumed everything"
-                await page.screenshot(path=str(ARTIFACTS / "05-after-replays.png"), full_page=True)
+                await page.screenshot(path=str(ARTIFACTS / "04-after-replays.png"), full_page=True)
             finally:
                 await browser.close()
                 shutil.rmtree(profile, ignore_errors=True)
