@@ -182,8 +182,8 @@ class ConsoleConfig:
             raise ConfigurationError(f"port must be in 0..65535 (got {self.port})", setting="port")
         if needs_token(self.host) and not self.token_value:
             raise ConfigurationError(
-                f"the console on {self.host} (not a loopback address) requires a token: set "
-                "--token or LEDGERBOX_CONSOLE_TOKEN (or listen on 127.0.0.1)",
+                f"the console on {self.host} (not a loopback address) requires a token "
+                "(or listen on 127.0.0.1)",
                 setting="token",
             )
         if self.token_value is not None and len(self.token_value) < 16:
