@@ -200,17 +200,13 @@ def console(values: Values, ctx: typer.Context) -> None:
     )
     try:
         server.run()
-    except OSError as exc:  # pragma: no cover - uvicorn logs and exits itself on bind errors
-        CONSOLE_SETTINGS.fail(
-            ConfigurationError(
-                f"cannot listen on {config.host}:{config.port} ({exc})", setting="port"
-            ),
-            values,
-        )
+    except SystemExit:  # uvicorn exits (code 3) when it cannot bind; it logged why
+        if server.started:
+            raise
     if not server.started:
         typer.echo(
-            f"ledgerbox console: cannot listen on {config.host}:{config.port} (in use, or not an "
-            "address of this machine); set --host/--port",
+            f"ledgerbox console: cannot listen on {config.host}:{config.port} (in use, or not "
+            "an address of this machine); set --host/--port",
             err=True,
         )
         raise typer.Exit(2)
