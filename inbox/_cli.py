@@ -43,6 +43,7 @@ from ledgerbox.inbox._checks import check_consumer
 from ledgerbox.inbox._config import ConsumerConfig
 from ledgerbox.inbox._consumer import InboxConsumer
 from ledgerbox.inbox._health import HEALTH_CODES
+from ledgerbox.inbox._lag import group_lag
 
 __all__ = ["CONSUMER_SETTINGS", "app", "load_consumer"]
 
@@ -123,9 +124,7 @@ CONSUMER_SETTINGS = CommandSettings(
             help="dlq: the dead-letter topic to read (<source topic>.dlq by default)",
         ),
         Setting("group", str, help="dlq: only records of this consumer group; lag: the group"),
-        Setting(
-            "topic", str, help="lag: these topics (comma-separated; unset: the group's own)"
-        ),
+        Setting("topic", str, help="lag: these topics (comma-separated; unset: the group's own)"),
     ],
     old_prefix="LEDGERBOX_INBOX_",
 )
@@ -195,10 +194,13 @@ def run_command(values: Values, ctx: typer.Context) -> None:
         *KAFKA_SETTING_NAMES,
         "redis_url",
         "redis_ssl_cafile",
+        "group",
+        "topic",
     ],
 )
 def check_command(values: Values, ctx: typer.Context) -> None:
-    """Print ok / degraded: cause / down: cause (one line with the fix); exit 0 / 1 / 2."""
+    """Print ok / degraded: cause / down: cause (one line with the fix); exit 0 / 1 / 2.
+    With --app (or --group and --topic), then the group's lag per partition."""
     if values["app"] is not None:
         try:
             config = load_consumer(values["app"]).config
@@ -228,7 +230,32 @@ def check_command(values: Values, ctx: typer.Context) -> None:
             CONSUMER_SETTINGS.fail(exc, values)
     result = asyncio.run(check_consumer(config, check_topics=values["app"] is not None))
     typer.echo(scrub(result.line))
+    if result.state != "down" and (values["app"] is not None or values["group"]):
+        group = config.group_id if values["app"] is not None else values["group"]
+        topics = list(config.topics) if values["app"] is not None else _topics(values)
+        _echo_lag(config.kafka_settings, group, topics)
     raise typer.Exit(HEALTH_CODES[result.state])
+
+
+def _topics(values: Values) -> list[str] | None:
+    return [t.strip() for t in (values["topic"] or "").split(",") if t.strip()] or None
+
+
+def _echo_lag(kafka: KafkaSettings, group: str, topics: list[str] | None) -> None:
+    """``lag <topic>[<partition>]: ...`` per partition, then the total; a failure to read
+    it is one line and does not change the health's exit code."""
+    try:
+        found = asyncio.run(group_lag(kafka, group, topics))
+    except LedgerboxError as exc:
+        typer.echo(scrub(f"lag of group {group}: unavailable: {exc}"))
+        return
+    for lag in found:
+        committed = "-" if lag.committed is None else str(lag.committed)
+        typer.echo(
+            f"lag {lag.topic}[{lag.partition}]: {lag.lag} (committed {committed}, high"
+            f" watermark {lag.high})"
+        )
+    typer.echo(f"lag of group {group}: {sum(lag.lag for lag in found)} records")
 
 
 @CONSUMER_SETTINGS.typer_command(app, "purge", ["app", "older_than_s"])

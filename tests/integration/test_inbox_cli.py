@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ledgerbox._core.names import SCHEMA_REVISION
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -95,8 +97,8 @@ def test_failsafe_01_check_names_the_cause_and_the_fix(
 
     _sql(url, "UPDATE ledgerbox_alembic_version SET version_num = '0000'")
     code, line = check("--database-url", url, *kafka)
-    assert code == 2 and "is at revision 0000, this version needs 0001" in line, line
-    _sql(url, "UPDATE ledgerbox_alembic_version SET version_num = '0001'")
+    assert code == 2 and f"is at revision 0000, this version needs {SCHEMA_REVISION}" in line, line
+    _sql(url, f"UPDATE ledgerbox_alembic_version SET version_num = '{SCHEMA_REVISION}'")  # noqa: S608 - a constant
 
     role = f"fs_chk_{uuid.uuid4().hex[:8]}"
     _sql(
@@ -153,4 +155,14 @@ def test_check_with_an_app_accepts_a_missing_topic_the_broker_will_create(
         text=True,
         timeout=120,
     )
-    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert (done.returncode, lines[0]) == (0, "ok"), done.stderr
+    # Then the group's lag (a topic not created yet has none to read; health unchanged).
+    assert (
+        lines[1:]
+        == [
+            "lag of group g: unavailable: topic 'fs-no-such-topic' does not exist on "
+            f"{kafka_bootstrap} (PLAINTEXT): check --topic"
+        ]
+        or lines[-1] == "lag of group g: 0 records"
+    ), lines

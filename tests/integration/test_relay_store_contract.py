@@ -5,6 +5,7 @@ in-memory store used by pure-logic tests keeps the SQL store's semantics."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -16,6 +17,7 @@ from ledgerbox.relay._store import (
     Cursor,
     CursorWrite,
     DeadLetter,
+    DeadQuery,
     PersistOutcome,
     RelayStore,
     ShardRead,
@@ -213,6 +215,21 @@ async def test_claim_persist_dead_letter_hold_and_stats_agree(db: _Harness) -> N
         (9, "a", 1, True),
     ]
     assert len(stats.owners) == 65
+
+    # The operator's reads (ledgerbox relay dead list, relay status): the same on both.
+    dead = await me.dead_lettered(DeadQuery(topic="contract"))
+    assert [(r.id, r.key, r.held_behind, r.last_error, r.attempts) for r in dead] == [
+        (ids[0], a, 2, "refused", 1)
+    ]
+    assert (dead[0].event_type, dead[0].shard, dead[0].payload) == ("Tested", 3, None)
+    assert [r.id for r in await me.dead_lettered(DeadQuery(topic="contract", key=b))] == []
+    assert [r.id for r in await me.dead_lettered(DeadQuery(ids=[ids[0], ids[1]]))] == [ids[0]]
+    assert [r.id for r in await me.dead_lettered(DeadQuery(error="REFUS"))] == [ids[0]]
+    assert await me.dead_lettered(DeadQuery(topic="contract", older_than_s=3600)) == []
+    (body,) = await me.dead_lettered(DeadQuery(ids=[ids[0]], with_body=True))
+    assert body.payload is not None and json.loads(body.payload) == {"key": a, "seq": 0}
+    held_keys = [h for h in await me.held_keys(100) if h.key == a]
+    assert [(h.dead_id, h.dead_count, h.held) for h in held_keys] == [(ids[0], 1, 2)]
 
     # Replay: the dead row and the held rows of its key are read again, in id order.
     assert await me.replay_dead_lettered(ids[1]) == 0, "not dead-lettered"

@@ -40,9 +40,9 @@ def test_relay_paths_do_not_import_sqlalchemy_or_the_inbox(setup: str) -> None:
 
 
 def test_lazy_exports_still_resolve_every_public_name() -> None:
-    from ledgerbox import outbox, relay
+    from ledgerbox import admin, outbox, relay
 
-    for module in (outbox, relay):
+    for module in (outbox, relay, admin):
         for name in module.__all__:
             assert getattr(module, name) is not None, name
         assert set(module.__all__) <= set(dir(module))
