@@ -288,3 +288,22 @@ def test_rate_meter() -> None:
     now[0] += 1000
     assert meter.update("orders", 20) is None, "too long ago"
     assert meter.update("orders", None) is None
+
+
+def test_every_service_has_its_section_and_one_down_does_not_hide_the_other() -> None:
+    from ledgerbox import DatabaseError
+    from ledgerbox._core.faults import Fault
+
+    stock = ServiceTarget(name="stock", database_url="postgresql+psycopg://h/stock")
+    down = ServiceData()
+    for section in ("status", "held", "dead"):
+        down.fail[section] = DatabaseError(
+            "the database is unreachable at h:5432/stock: start it", fault=Fault.ENVIRONMENT
+        )
+    source = InMemorySource({"orders": data(), "stock": down})
+    page = client(ConsoleConfig(services=[service(), stock]), source).get("/").text
+    orders = page.split('id="service-orders"')[1].split('id="service-stock"')[0]
+    assert "order-7" in orders
+    other = page.split('id="service-stock"')[1]
+    assert other.count("the database is unreachable at h:5432/stock") == 3
+    assert "no dead-letter topic configured" in other and "no consumer group configured" in other
