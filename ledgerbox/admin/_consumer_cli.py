@@ -24,7 +24,7 @@ from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings
 from ledgerbox._core.operator_settings import OPERATOR_SWITCHES
 from ledgerbox._core.redaction import scrub
 from ledgerbox._core.settings import Values
-from ledgerbox.admin._output import print_json, short, table
+from ledgerbox.admin._output import log_actions, print_json, short, table
 from ledgerbox.inbox._cli import CONSUMER_SETTINGS
 from ledgerbox.inbox._cli import app as consumer_app
 
@@ -205,6 +205,7 @@ def _act(command: str, values: Values) -> None:
         )
     selection = None if refs else _filter(name, values)
     kafka, db = _kafka(name, values), _database(name, values)
+    log_actions()
     function = admin.replay_dlq_records if command == "replay" else admin.discard_dlq_records
     result = _run(
         name,

@@ -14,6 +14,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
+from ledgerbox._core.names import DEFAULT_SHARD_COUNT
 from ledgerbox.admin._audit import AdminStore, log_action
 from ledgerbox.admin._errors import InvalidFilterError, NotFoundError
 from ledgerbox.admin._types import (
@@ -22,16 +23,19 @@ from ledgerbox.admin._types import (
     DeadEvent,
     DeadFilter,
     HeldKey,
+    RelayStatus,
+    ShardOwner,
     default_actor,
 )
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._pgstore import PgRelayStore
-from ledgerbox.relay._store import DeadQuery, DeadRow
+from ledgerbox.relay._store import DeadQuery, DeadRow, HeldKeyRow
 
 __all__ = [
     "discard_dead_events",
     "held_keys",
     "list_dead_events",
+    "relay_status",
     "replay_dead_events",
     "show_dead_event",
 ]
@@ -147,6 +151,10 @@ async def held_keys(db: Database, *, limit: int = 100) -> list[HeldKey]:
         rows = await store.held_keys(limit)
     finally:
         await store.aclose()
+    return _held(rows)
+
+
+def _held(rows: Sequence[HeldKeyRow]) -> list[HeldKey]:
     return [
         HeldKey(
             key=r.key,
@@ -158,6 +166,41 @@ async def held_keys(db: Database, *, limit: int = 100) -> list[HeldKey]:
         )
         for r in rows
     ]
+
+
+async def relay_status(
+    db: Database, *, shard_count: int = DEFAULT_SHARD_COUNT, held_limit: int = 20
+) -> RelayStatus:
+    """What ``ledgerbox relay status`` shows, as data (the console's status panel).
+
+    Parameters
+    ----------
+    db : Database
+    shard_count : int
+        The relays' ``shard_count`` (default 64).
+    held_limit : int
+        At most this many held keys.
+
+    Raises
+    ------
+    ledgerbox.DatabaseError
+        If the read failed. A read: nothing is locked or changed.
+    """
+    store = relay_store(db)
+    try:
+        stats = await store.stats(shard_count)
+        keys = await store.held_keys(held_limit)
+    finally:
+        await store.aclose()
+    return RelayStatus(
+        pending=stats.pending,
+        oldest_pending_age_s=stats.oldest_pending_age_s,
+        dead_lettered=stats.dead_lettered,
+        held=stats.held,
+        owners=[ShardOwner(shard=s, owner=o, fence=f, live=live) for s, o, f, live in stats.owners],
+        refused=list(stats.refused),
+        held_keys=_held(keys),
+    )
 
 
 async def replay_dead_events(

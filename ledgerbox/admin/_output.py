@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
+import sys
 from typing import Any
 
 import typer
 
-__all__ = ["print_json", "short", "table"]
+__all__ = ["log_actions", "print_json", "short", "table"]
 
 
 def print_json(value: Any) -> None:
@@ -26,3 +28,16 @@ def short(text: str | None, width: int = 60) -> str:
     """``text`` on one line, cut to ``width`` characters (``-`` for none)."""
     one = " ".join((text or "-").split())
     return one if len(one) <= width else one[: width - 3] + "..."
+
+
+def log_actions() -> None:
+    """Send the operator action lines (logger ``ledgerbox.admin``, INFO) to stderr, once:
+    stdout keeps only the command's output (``--json`` stays parseable)."""
+    log = logging.getLogger("ledgerbox.admin")
+    if not any(getattr(h, "ledgerbox_cli", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        handler.ledgerbox_cli = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False

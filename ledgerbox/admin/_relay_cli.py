@@ -24,6 +24,7 @@ from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.operator_settings import OPERATOR_SWITCHES
 from ledgerbox._core.redaction import scrub
 from ledgerbox._core.settings import Values
+from ledgerbox.admin._output import log_actions
 from ledgerbox.admin._output import print_json as _print_json
 from ledgerbox.admin._output import short as _short
 from ledgerbox.admin._output import table as _table
@@ -187,6 +188,7 @@ def _act(command: str, values: Values) -> None:
             ),
         )
     selection = None if ids else _filter(command, values)
+    log_actions()
     function = admin.replay_dead_events if command == "replay" else admin.discard_dead_events
     result = _run(
         command,

@@ -23,6 +23,8 @@ __all__ = [
     "DlqRecord",
     "HeldKey",
     "PartitionLag",
+    "RelayStatus",
+    "ShardOwner",
     "default_actor",
 ]
 
@@ -274,6 +276,33 @@ class PartitionLag(_Json):
     committed: int | None
     high_watermark: int
     lag: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardOwner(_Json):
+    """One lease row: ``shard`` (``-1``: the leader's), its ``owner`` (a relay id; ``None``
+    when free), ``fence`` and whether the lease is ``live`` (not expired)."""
+
+    shard: int
+    owner: str | None
+    fence: int
+    live: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayStatus(_Json):
+    """What ``ledgerbox relay status`` shows: ``pending`` events the shards' cursors have
+    not passed, the age of the oldest in seconds (``None``: none pending), the
+    ``dead_lettered`` and ``held`` counts, the lease ``owners`` by shard, the ``refused``
+    shards ``(shard, reason)`` and the ``held_keys`` (at most 20)."""
+
+    pending: int
+    oldest_pending_age_s: float | None
+    dead_lettered: int
+    held: int
+    owners: list[ShardOwner]
+    refused: list[tuple[int, str]]
+    held_keys: list[HeldKey]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

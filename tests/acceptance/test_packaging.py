@@ -144,6 +144,28 @@ def downgrade() -> None:
 '''
 
 
+# Revision 3 (the operator tables): again one revision of the user's calling the new ops.
+_USER_REVISION_3 = '''
+"""the user's revision for ledgerbox schema revision 3"""
+from alembic import op
+
+from ledgerbox.migrations import ops
+
+revision = "u0003"
+down_revision = "u0002"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    ops.create_ops_v3(op, None)
+
+
+def downgrade() -> None:
+    ops.drop_ops_v3(op, None)
+'''
+
+
 def _user_project(root: Path, database_url: str) -> Path:
     """A service laid out as ``alembic init migrations`` leaves it, with a package marker."""
     mig = root / "migrations"
@@ -153,6 +175,7 @@ def _user_project(root: Path, database_url: str) -> Path:
     (mig / "script.py.mako").write_text("")
     (mig / "versions" / "u0001_orders.py").write_text(_USER_REVISION)
     (mig / "versions" / "u0002_ledgerbox_v2.py").write_text(_USER_REVISION_2)
+    (mig / "versions" / "u0003_ledgerbox_v3.py").write_text(_USER_REVISION_3)
     (root / "alembic.ini").write_text(
         "[alembic]\nscript_location = migrations\n"
         f"sqlalchemy.url = {database_url.replace('%', '%%')}\n"
@@ -194,7 +217,8 @@ def test_a_users_alembic_revisions_import_ledgerbox_ops_beside_their_own_migrati
     assert {"orders", "outbox", "inbox", "outbox_relay_lease", "outbox_relay_tick"} <= _tables(
         empty_database_url
     )
-    # Revision 1 then 2 through the frozen ops: the models of the current version match.
+    assert {"ledgerbox_ops_audit", "ledgerbox_dlq_action"} <= _tables(empty_database_url)
+    # Revisions 1, 2, 3 through the frozen ops: the models of the current version match.
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 

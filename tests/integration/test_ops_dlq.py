@@ -241,6 +241,8 @@ async def test_dlq_replay_reaches_only_its_group_once_in_order_and_discard_is_fi
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         assert (result["dry_run"], result["changed"], result["actor"]) == (True, 0, "cli")
+        assert "operator action consumer.dlq.discard by cli" in out.stderr
+        assert "dry_run=True" in out.stderr
         for args, message in [
             (("dlq", "replay", "not-a-ref"), "is not a dead-letter record reference"),
             (("dlq", "replay", f"{dlq}:0:999"), f"no record {dlq}:0:999"),

@@ -169,6 +169,14 @@ async def test_relay_dead_list_replay_discard_keep_order_and_event_ids(
             str(k1.event_id),
         )
         assert (keys["M"].dead_id, keys["M"].held) == (m1_id, 1)
+        status = await admin.relay_status(db)
+        assert (status.dead_lettered, status.held, status.pending) == (2, 3, 0)
+        assert [(h.key, h.dead_id, h.held) for h in status.held_keys] == [
+            ("K", k1_id, 2),
+            ("M", m1_id, 1),
+        ]
+        assert len(status.owners) == 65 and status.owners[0].shard == -1
+        assert json.loads(json.dumps(status.to_json()))["held_keys"][0]["key"] == "K"
 
         # -- K1 did reach the group before (an ack lost): the group applied it ---------------
         await produce(kafka_bootstrap, topic, [k1])
@@ -223,6 +231,12 @@ async def test_relay_dead_list_replay_discard_keep_order_and_event_ids(
             "cli",
         )
         assert _statuses(engine, topic, "M") == [4, 0]
+        (logged,) = [line for line in out.stderr.splitlines() if "operator action" in line]
+        assert (
+            f"INFO ledgerbox.admin operator action relay.dead.discard by cli: ids=['{m1_id}']"
+            in logged
+        )
+        assert f"audit_id={result['audit_id']}" in logged and "dry_run=False" in logged
         await _drain(relay)
         records = await rs.consume(kafka_bootstrap, topic, until=lambda got: len(got) >= 6)
         assert [json.loads(r.value)["seq"] for r in records if r.key == b"M"] == [2]
