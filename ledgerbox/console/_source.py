@@ -1,18 +1,19 @@
 """Where the console's data comes from: the :class:`ConsoleSource` Protocol (one method per
 thing the page shows or does) and :class:`AdminSource`, its real implementation over the
 operator API :mod:`ledgerbox.admin` (the same functions as ``ledgerbox relay dead ...``,
-``ledgerbox consumer dlq ...`` and ``ledgerbox consumer lag``) and the relay's status read
-(the one of ``ledgerbox relay status``). The in-memory twin is
-:class:`ledgerbox.console.testing.InMemorySource`.
+``ledgerbox consumer dlq ...`` and ``ledgerbox consumer lag``) and the relay's status
+(:func:`ledgerbox.admin.relay_status`, what ``ledgerbox relay status`` prints). The in-memory
+twin is :class:`ledgerbox.console.testing.InMemorySource`.
 
-Nothing here runs SQL or builds a Kafka client itself: the admin API and the relay store do.
+Nothing here runs SQL or builds a Kafka client itself: the admin API does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -21,9 +22,19 @@ from ledgerbox._core.errors import ConfigurationError
 from ledgerbox.admin import ActionResult, DeadEvent, DlqRecord, HeldKey, PartitionLag
 from ledgerbox.console._config import ConsoleConfig, ServiceTarget
 
-__all__ = ["AdminSource", "ConsoleSource", "RelayStatus", "ShardOwners"]
+__all__ = ["AdminSource", "ConsoleSource", "RelayPanel", "ShardOwners", "shard_ranges"]
 
 _PUBLISHED = re.compile(r"^ledgerbox_relay_published_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+
+
+def shard_ranges(values: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (as ``ledgerbox relay status`` prints shards)."""
+    ordered = sorted(values)
+    parts: list[str] = []
+    for _, run in itertools.groupby(enumerate(ordered), key=lambda p: p[1] - p[0]):
+        members = [v for _, v in run]
+        parts.append(str(members[0]) if len(members) == 1 else f"{members[0]}-{members[-1]}")
+    return ",".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +56,7 @@ class ShardOwners:
 
 
 @dataclass(frozen=True, slots=True)
-class RelayStatus:
+class RelayPanel:
     """The relay status of one service (``ledgerbox relay status``).
 
     Attributes
@@ -74,7 +85,7 @@ class ConsoleSource(Protocol):
     :class:`ledgerbox.LedgerboxError` subclasses only (one-line messages: the page shows
     them in the section that failed)."""
 
-    async def relay_status(self, service: ServiceTarget) -> RelayStatus:
+    async def relay_status(self, service: ServiceTarget) -> RelayPanel:
         """Pending, oldest age, dead, held, shard owners."""
         ...
 
@@ -125,7 +136,7 @@ class ConsoleSource(Protocol):
 
 
 class AdminSource:
-    """:class:`ConsoleSource` over :mod:`ledgerbox.admin` and the relay store.
+    """:class:`ConsoleSource` over :mod:`ledgerbox.admin`.
 
     Parameters
     ----------
@@ -162,27 +173,12 @@ class AdminSource:
             )
         return self._config.kafka
 
-    async def relay_status(self, service: ServiceTarget) -> RelayStatus:
-        from ledgerbox.relay import RelayConfig
-        from ledgerbox.relay._pgstore import PgRelayStore
-        from ledgerbox.relay._policy import shard_ranges
-
-        # status reads the database only (like `relay status`): the Kafka address is unused.
-        config = RelayConfig(
-            database_url=service.url,
-            kafka_bootstrap_servers="unused-by-status:0",
-            schema=service.schema,
-            outbox_table=service.outbox_table,
-            shard_count=service.shard_count,
-        )
-        store = PgRelayStore(config, "console")
-        try:
-            stats = await store.stats(service.shard_count)
-        finally:
-            await store.aclose()
+    async def relay_status(self, service: ServiceTarget) -> RelayPanel:
+        status = await admin.relay_status(self._db(service), shard_count=service.shard_count)
         groups: dict[tuple[str | None, bool], list[int]] = {}
-        for shard, owner, _fence, live in stats.owners:
-            groups.setdefault((owner if live else None, shard < 0), []).append(shard)
+        for lease in status.owners:
+            owner = lease.owner if lease.live else None
+            groups.setdefault((owner, lease.shard < 0), []).append(lease.shard)
         owners = [
             ShardOwners(owner, "leader" if leader else shard_ranges(shards), len(shards))
             for (owner, leader), shards in sorted(
@@ -190,15 +186,15 @@ class AdminSource:
             )
         ]
         refused = (
-            [f"{shard_ranges([s for s, _ in stats.refused])}: {stats.refused[0][1]}"]
-            if stats.refused
+            [f"{shard_ranges([s for s, _ in status.refused])}: {status.refused[0][1]}"]
+            if status.refused
             else []
         )
-        return RelayStatus(
-            pending=stats.pending,
-            oldest_pending_age_s=stats.oldest_pending_age_s,
-            dead_lettered=stats.dead_lettered,
-            held=stats.held,
+        return RelayPanel(
+            pending=status.pending,
+            oldest_pending_age_s=status.oldest_pending_age_s,
+            dead_lettered=status.dead_lettered,
+            held=status.held,
             owners=owners,
             refused=refused,
         )

@@ -17,7 +17,7 @@ from ledgerbox._core.errors import LedgerboxError
 from ledgerbox._core.redaction import scrub
 from ledgerbox.admin import DeadEvent, DlqRecord, HeldKey, NotFoundError, PartitionLag
 from ledgerbox.console._config import ConsoleConfig, ServiceTarget
-from ledgerbox.console._source import ConsoleSource, RelayStatus
+from ledgerbox.console._source import ConsoleSource, RelayPanel
 
 __all__ = ["RateMeter", "Section", "ServiceView", "gather"]
 
@@ -51,7 +51,7 @@ class ServiceView:
     Attributes
     ----------
     name : str
-    status : Section[RelayStatus]
+    status : Section[RelayPanel]
     publish_rate : float | None
         Events per second published by the service's relays since the previous page load
         (``None``: unknown: no relay metrics, or the first load).
@@ -63,7 +63,7 @@ class ServiceView:
     """
 
     name: str
-    status: Section[RelayStatus]
+    status: Section[RelayPanel]
     publish_rate: float | None
     held_keys: Section[list[HeldKey]]
     dead: Section[list[DeadEvent]]

@@ -25,7 +25,7 @@ from ledgerbox.admin import (
     RefusedError,
 )
 from ledgerbox.console._config import ServiceTarget
-from ledgerbox.console._source import RelayStatus
+from ledgerbox.console._source import RelayPanel
 
 __all__ = ["InMemorySource", "ServiceData"]
 
@@ -34,7 +34,7 @@ __all__ = ["InMemorySource", "ServiceData"]
 class ServiceData:
     """What :class:`InMemorySource` shows for one service (mutable: tests set it up)."""
 
-    status: RelayStatus = field(default_factory=lambda: RelayStatus(0, None, 0, 0))
+    status: RelayPanel = field(default_factory=lambda: RelayPanel(0, None, 0, 0))
     published_total: float | None = None
     dead: list[DeadEvent] = field(default_factory=list)
     dlq: dict[str, list[DlqRecord]] = field(default_factory=dict)
@@ -63,7 +63,7 @@ class InMemorySource:
             raise data.fail[section]
         return data
 
-    async def relay_status(self, service: ServiceTarget) -> RelayStatus:
+    async def relay_status(self, service: ServiceTarget) -> RelayPanel:
         return self._data(service, "status").status
 
     async def published_total(self, service: ServiceTarget) -> float | None:

@@ -17,7 +17,7 @@ from ledgerbox._core.errors import ConfigurationError
 from ledgerbox.admin import DeadEvent, DlqRecord, PartitionLag
 from ledgerbox.console import ConsoleConfig, ServiceTarget, create_app, load_services_file
 from ledgerbox.console._auth import COOKIE, Guard
-from ledgerbox.console._source import RelayStatus, ShardOwners
+from ledgerbox.console._source import RelayPanel, ShardOwners
 from ledgerbox.console._view import RateMeter
 from ledgerbox.console.testing import InMemorySource, ServiceData
 
@@ -76,7 +76,7 @@ def dlq_record(offset: int, group: str | None = "payments") -> DlqRecord:
 
 def data() -> ServiceData:
     return ServiceData(
-        status=RelayStatus(
+        status=RelayPanel(
             pending=7,
             oldest_pending_age_s=12.5,
             dead_lettered=1,
@@ -307,3 +307,11 @@ def test_every_service_has_its_section_and_one_down_does_not_hide_the_other() ->
     other = page.split('id="service-stock"')[1]
     assert other.count("the database is unreachable at h:5432/stock") == 3
     assert "no dead-letter topic configured" in other and "no consumer group configured" in other
+
+
+def test_shard_ranges() -> None:
+    from ledgerbox.console._source import shard_ranges
+
+    assert shard_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    assert shard_ranges([]) == ""
+    assert shard_ranges([3]) == "3"

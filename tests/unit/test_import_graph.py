@@ -175,9 +175,8 @@ ALLOWED: dict[str, set[str]] = {
     "migrations": {"_core"},  # and the table modules, see TABLE_MODULES
     # The operator API acts on the relay's and the inbox's tables and topics.
     "admin": {"outbox", "relay", "inbox", "_core"},
-    # The ops console acts through the operator API only; it reads the relay's status (what
-    # `ledgerbox relay status` prints) through the relay store.
-    "console": {"admin", "relay", "_core"},
+    # The ops console reads and acts through the operator API only.
+    "console": {"admin", "_core"},
     "cli": {"outbox", "relay", "inbox", "admin", "console", "migrations", "_core", "root"},
     "root": {"_core", "cli"},
 }
