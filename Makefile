@@ -53,7 +53,7 @@ test-security: venv
 
 # The ops console in a real headless Chromium (Debian's package, installed by
 # scripts/browser.sh; Playwright drives it) on the real services; screenshots in
-# .artifacts/console/ (docs/console.md). ~15 s once chromium is installed.
+# .artifacts/console/ (docs/console.md). 8-40 s once chromium is installed.
 test-browser: venv
 	LEDGERBOX_CHROMIUM="$$(bash scripts/browser.sh)"; export LEDGERBOX_CHROMIUM; \
 	  $(SERVICES); $(PY) -m pytest -rfEs -p no:cacheprovider $(BROWSER_TEST) $(PYTEST_ARGS)
