@@ -246,7 +246,8 @@ def rebase(values: Values, ctx: typer.Context) -> None:
     """Re-seat every shard's cursor after a restore (relays stopped): each event the old
     cursor had not passed, or created after its last persist minus --margin-s, is published
     again, once, in per-key id order (docs/relay.md, 'Restore and rebase')."""
-    config = _config(values)
+    # rebase reads and writes the database only: no Kafka address is needed (nor used).
+    config = _config({**values, "kafka_bootstrap_servers": "unused-by-rebase:0"})
 
     async def go() -> int:
         store = pg_store_factory(config)("rebase")

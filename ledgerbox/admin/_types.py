@@ -41,6 +41,8 @@ def default_actor() -> str:
 
 
 def _jsonable(value: Any) -> Any:
+    if isinstance(value, _Json):
+        return value.to_json()
     if isinstance(value, dt.datetime):
         return value.astimezone(dt.UTC).isoformat()
     if isinstance(value, tuple | list):

@@ -302,6 +302,7 @@ async def test_failsafe_01_c15_inbox_table_dropped_stops_and_resumes_after_migra
         execute(
             migrated_db,
             "DROP TABLE inbox, outbox, outbox_relay_lease, outbox_relay_member, "
+            "outbox_relay_tick, ledgerbox_ops_audit, ledgerbox_dlq_action, "
             "ledgerbox_alembic_version",
         )
 

@@ -94,7 +94,7 @@ class _TimedPublisher:
     async def start(self) -> None:
         await self.inner.start()
 
-    async def stop(self) -> None:
+    async def stop(self, *, abort: bool = False) -> None:
         await self.inner.stop()
 
     async def check(self) -> None:

@@ -23,6 +23,7 @@ from ledgerbox.outbox import OutboxWriter, TopicRouter, shard_of, timestamp_ms
 from ledgerbox.relay import Relay
 from ledgerbox.relay import _metrics as relay_metrics
 from ledgerbox.relay._pgstore import PgRelayStore
+from ledgerbox.relay._store import Cursor, ShardRead
 from tests import _relay_support as rs
 from tests._services import TopicFactory
 
@@ -131,8 +132,9 @@ def test_failsafe_03_relay_check_on_an_unmigrated_database_fails_naming_the_fix(
     assert check.returncode == 2, check.stdout + check.stderr
     (line,) = check.stdout.strip().splitlines()
     assert line == (
-        "relay down: tables outbox, outbox_relay_lease, outbox_relay_member do not exist in "
-        "the search path: run `ledgerbox migrate` (or check --schema / --outbox-table)"
+        "relay down: tables outbox, outbox_relay_lease, outbox_relay_member, outbox_relay_tick"
+        " do not exist in the search path: run `ledgerbox migrate` (or check --schema /"
+        " --outbox-table)"
     )
     run = rs.relay_process(empty_database_url, kafka_bootstrap, "--relay-id", "unmigrated")
     try:
@@ -281,7 +283,9 @@ async def test_failsafe_12_c19_a_timestamp_the_broker_refuses_never_strands_the_
         statuses = conn.execute(
             text("SELECT status FROM outbox WHERE topic = :t"), {"t": topic}
         ).scalars()
-        assert set(statuses) == {1}, "nothing dead-lettered, nothing held"
+        # Schema v2: a published row keeps status 0 (the cursor passed it); 2 would be
+        # dead-lettered, 3 held.
+        assert set(statuses) == {0}, "nothing dead-lettered, nothing held"
 
 
 # --------------------------------------------------------------------------- line 11
@@ -319,7 +323,8 @@ async def test_failsafe_11_the_relays_sql_timestamp_equals_the_write_paths(
             )  # fmt: skip
     store = PgRelayStore(rs.config(database_url, kafka_bootstrap))
     try:
-        claimed = await store.claim_batch([shard_of(key)], 1000, hold=False)
+        claim = await store.claim_batch([ShardRead(shard_of(key), Cursor(None))], 1000, hold=False)
+        claimed = claim.events
     finally:
         await store.aclose()
     mine = [c for c in claimed if c.partition_key == key]
