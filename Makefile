@@ -1,5 +1,5 @@
-# One entry for everything: `make demo`, `make test`, `make test-security`, `make bench`,
-# `make soak`.
+# One entry for everything: `make demo`, `make test`, `make test-security`,
+# `make test-browser`, `make bench`, `make soak`.
 # Each target creates the virtual environment, installs the project, brings the services up
 # (scripts/services.sh: PostgreSQL, Redis, Apache Kafka; nothing is started when
 # DATABASE_URL, KAFKA_BOOTSTRAP_SERVERS and REDIS_URL are already set) and runs.
@@ -15,7 +15,7 @@ SECURE_SERVICES := eval "$$(OUTBOX_SECURITY=1 bash scripts/services.sh up)"
 PYTEST_ARGS ?=
 PY_DIRS := ledgerbox outbox relay inbox migrations example_services tests bench
 
-.PHONY: venv services test test-security test-long lint unit demo bench soak soak-short
+.PHONY: venv services test test-security test-browser test-long lint unit demo bench soak soak-short
 .PHONY: test-cluster clean down
 
 venv: $(VENV)/.installed
@@ -23,11 +23,11 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[dev,services,otel,compression]'
+	$(VENV)/bin/pip install -q -e '.[dev,services,console,otel,compression]'
 	touch $@
 
 $(VENV)/.soak-installed: $(VENV)/.installed
-	$(VENV)/bin/pip install -q -e '.[dev,services,otel,compression,soak]'
+	$(VENV)/bin/pip install -q -e '.[dev,services,console,otel,compression,soak]'
 	touch $@
 
 services:
@@ -42,11 +42,21 @@ unit: venv
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
 
 # tests/security needs the secured endpoints: `make test-security` (CI runs both).
+# The console's browser test needs chromium: `make test-browser` (CI runs it too).
+BROWSER_TEST := tests/acceptance/test_console_browser.py
 test: venv lint
-	$(SERVICES); $(PY) -m pytest -rfEs -p no:cacheprovider --ignore=tests/security $(PYTEST_ARGS)
+	$(SERVICES); $(PY) -m pytest -rfEs -p no:cacheprovider --ignore=tests/security \
+	  --ignore=$(BROWSER_TEST) $(PYTEST_ARGS)
 
 test-security: venv
 	$(SECURE_SERVICES); $(PY) -m pytest -rfEs -p no:cacheprovider tests/security $(PYTEST_ARGS)
+
+# The ops console in a real headless Chromium (Debian's package, installed by
+# scripts/browser.sh; Playwright drives it) on the real services; screenshots in
+# .artifacts/console/ (docs/console.md). 8-40 s once chromium is installed.
+test-browser: venv
+	LEDGERBOX_CHROMIUM="$$(bash scripts/browser.sh)"; export LEDGERBOX_CHROMIUM; \
+	  $(SERVICES); $(PY) -m pytest -rfEs -p no:cacheprovider $(BROWSER_TEST) $(PYTEST_ARGS)
 
 # Longer runs of what `make test` runs short (~2 min): transactions held open 30 s (idle in
 # transaction, PREPARED) while other keys flow, and 200 examples of the relay's interleaving

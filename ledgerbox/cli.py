@@ -7,6 +7,7 @@
     ledgerbox relay dead list|show|replay|discard   dead-lettered outbox events
     ledgerbox consumer run|check|purge|lag    an inbox consumer, its lag
     ledgerbox consumer dlq list|show|replay|discard  dead-letter records
+    ledgerbox console                 the ops console in the browser (docs/console.md)
 
 One naming scheme for every command (docs/configuration.md): setting ``field_name`` of
 ``ledgerbox <command>`` has the flag ``--field-name`` and the environment variable
@@ -35,6 +36,7 @@ __all__ = ["app", "main"]
 _LAZY = {
     "relay": ("ledgerbox.admin._relay_cli", "relay_app"),
     "consumer": ("ledgerbox.admin._consumer_cli", "consumer_app"),
+    "console": ("ledgerbox.console._cli", "app"),
 }
 
 
@@ -50,7 +52,8 @@ class _LazyGroup(TyperGroup):
             return super().get_command(ctx, cmd_name)
         module, attr = _LAZY[cmd_name]
         sub: Any = getattr(importlib.import_module(module), attr)
-        command = typer.main.get_group(sub)
+        # A group (relay, consumer) or, for a Typer app of one command (console), that command.
+        command = typer.main.get_command(sub)
         command.name = cmd_name
         return command
 

@@ -1,4 +1,4 @@
-"""The HTTP endpoints of the daemons (Prometheus metrics; later the ops console): where they
+"""The HTTP endpoints of the daemons (Prometheus metrics, the ops console): where they
 listen, by ONE rule (docs/security.md, "HTTP endpoints").
 
 They bind to ``127.0.0.1`` unless the operator names another address explicitly

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from ledgerbox._core import settings as settings_module
 from ledgerbox._core.migrate_settings import MIGRATE_SETTINGS, NAME_SETTINGS
+from ledgerbox.console._cli import CONSOLE_SETTINGS
 from ledgerbox.inbox import _cli as consumer_cli
 from ledgerbox.relay import RelayConfig, RelayHooks
 from ledgerbox.relay import _cli as relay_cli
@@ -370,8 +371,9 @@ def _doc_rows() -> list[str]:
         (RELAY, list(RELAY.settings)),
         (consumer_cli.CONSUMER_SETTINGS, list(consumer_cli.CONSUMER_SETTINGS.settings)),
         (MIGRATE_SETTINGS, list(MIGRATE_SETTINGS.settings)),
+        (CONSOLE_SETTINGS, list(CONSOLE_SETTINGS.settings)),
     ],
-    ids=["relay", "consumer", "migrate"],
+    ids=["relay", "consumer", "migrate", "console"],
 )
 def test_docs_configuration_has_a_row_per_setting_with_its_flag_and_env_vars(
     settings: settings_module.CommandSettings, names: list[str]

@@ -95,6 +95,15 @@ PUBLIC: dict[str, list[str]] = {
         "kafka_parts",
         "record_for",
     ],
+    "ledgerbox.console": [
+        "AdminSource",
+        "ConsoleConfig",
+        "ConsoleSource",
+        "ServiceTarget",
+        "create_app",
+        "load_services_file",
+    ],
+    "ledgerbox.console.testing": ["InMemorySource", "ServiceData"],
     "ledgerbox.admin": [
         "ActionResult",
         "AdminError",

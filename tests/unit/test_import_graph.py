@@ -176,7 +176,9 @@ ALLOWED: dict[str, set[str]] = {
     "telemetry": {"_core"},  # ledgerbox.telemetry: the public face of _core.telemetry
     # The operator API acts on the relay's and the inbox's tables and topics.
     "admin": {"outbox", "relay", "inbox", "_core"},
-    "cli": {"outbox", "relay", "inbox", "admin", "migrations", "_core", "root"},
+    # The ops console reads and acts through the operator API only.
+    "console": {"admin", "_core"},
+    "cli": {"outbox", "relay", "inbox", "admin", "console", "migrations", "_core", "root"},
     "root": {"_core", "cli", "telemetry"},
 }
 TABLE_MODULES = {
