@@ -44,7 +44,8 @@ async def produce(bootstrap: str, topic: str, items: list[Any], partition: int =
 
 async def committed(bootstrap: str, group: str, topic: str, partition: int = 0) -> int | None:
     """The group's committed offset of one partition, or ``None``."""
-    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
+    # A reader only: never commit anything for the group on stop().
+    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
     await probe.start()
     try:
         offset = await probe.committed(TopicPartition(topic, partition))

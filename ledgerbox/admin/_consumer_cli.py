@@ -13,7 +13,6 @@ line on stderr and exits 2.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,9 +21,8 @@ import typer
 from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings
 from ledgerbox._core.operator_settings import OPERATOR_SWITCHES
-from ledgerbox._core.redaction import scrub
 from ledgerbox._core.settings import Values
-from ledgerbox.admin._output import log_actions, print_json, short, table
+from ledgerbox.admin._output import database, fail, log_actions, print_json, run, short, table
 from ledgerbox.inbox._cli import CONSUMER_SETTINGS
 from ledgerbox.inbox._cli import app as consumer_app
 
@@ -56,18 +54,6 @@ _ACT_SWITCHES = {
 }
 
 
-def _fail(command: str, exc: BaseException) -> typer.Exit:
-    typer.echo(scrub(f"ledgerbox consumer {command}: {exc}"), err=True)
-    return typer.Exit(2)
-
-
-def _run(command: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    try:
-        return asyncio.run(make())
-    except LedgerboxError as exc:
-        raise _fail(command, exc) from None
-
-
 def _kafka(command: str, values: Values) -> KafkaSettings:
     servers = values["kafka_bootstrap_servers"]
     if not servers:
@@ -84,21 +70,16 @@ def _kafka(command: str, values: Values) -> KafkaSettings:
         raise _fail(command, exc) from None
 
 
-def _database(command: str, values: Values) -> Database:
-    from ledgerbox.admin._types import Database
+def _fail(command: str, exc: BaseException) -> typer.Exit:
+    return fail(f"ledgerbox consumer {command}", exc)
 
-    if not values["database_url"]:
-        raise _fail(
-            command, ConfigurationError("no database URL: set --database-url or DATABASE_URL")
-        )
-    try:
-        return Database(
-            url=values["database_url"],
-            schema=values["schema"],
-            inbox_table=values["inbox_table"] or "inbox",
-        )
-    except LedgerboxError as exc:
-        raise _fail(command, exc) from None
+
+def _run(command: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    return run(f"ledgerbox consumer {command}", make)
+
+
+def _database(command: str, values: Values) -> Database:
+    return database(f"ledgerbox consumer {command}", values, inbox_table="inbox")
 
 
 def _filter(command: str, values: Values, *, include_done: bool = False) -> DlqFilter:

@@ -1,15 +1,62 @@
-"""Plain-text and JSON output of the operator commands (no heavy imports)."""
+"""Plain-text and JSON output of the operator commands, and their one-line failures (no
+heavy imports: the operator API is imported when a command runs)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
-__all__ = ["log_actions", "print_json", "short", "table"]
+from ledgerbox._core.errors import ConfigurationError, LedgerboxError
+from ledgerbox._core.redaction import scrub
+from ledgerbox._core.settings import Values
+
+if TYPE_CHECKING:
+    from ledgerbox.admin._types import Database
+
+__all__ = ["database", "fail", "log_actions", "print_json", "run", "short", "table"]
+
+T = TypeVar("T")
+
+
+def fail(command: str, exc: BaseException) -> typer.Exit:
+    """Print ``<command>: <exc>`` (passwords scrubbed) as ONE line on stderr; the exit (2) to
+    raise. ``command`` is the whole command, e.g. ``"ledgerbox relay dead replay"``."""
+    typer.echo(scrub(f"{command}: {exc}"), err=True)
+    return typer.Exit(2)
+
+
+def run(command: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run the coroutine; an expected failure (a LedgerboxError) is one line and exit 2."""
+    try:
+        return asyncio.run(make())
+    except LedgerboxError as exc:
+        raise fail(command, exc) from None
+
+
+def database(command: str, values: Values, **tables: str) -> Database:
+    """The :class:`~ledgerbox.admin.Database` of ``--database-url`` / ``--schema`` and the
+    table names given (``outbox_table=...`` or ``inbox_table=...``: the setting's value, else
+    the default passed); no URL or a bad name is one line and exit 2."""
+    from ledgerbox.admin._types import Database
+
+    if not values["database_url"]:
+        raise fail(
+            command, ConfigurationError("no database URL: set --database-url or DATABASE_URL")
+        )
+    try:
+        return Database(
+            url=values["database_url"],
+            schema=values["schema"],
+            **{name: values[name] or default for name, default in tables.items()},
+        )
+    except LedgerboxError as exc:
+        raise fail(command, exc) from None
 
 
 def print_json(value: Any) -> None:

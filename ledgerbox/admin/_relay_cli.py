@@ -14,17 +14,15 @@ imported when a ``dead`` command runs, so ``ledgerbox relay run`` stays light.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
-from ledgerbox._core.errors import ConfigurationError, LedgerboxError
+from ledgerbox._core.errors import LedgerboxError
 from ledgerbox._core.operator_settings import OPERATOR_SWITCHES
-from ledgerbox._core.redaction import scrub
 from ledgerbox._core.settings import Values
-from ledgerbox.admin._output import log_actions
+from ledgerbox.admin._output import database, fail, log_actions, run
 from ledgerbox.admin._output import print_json as _print_json
 from ledgerbox.admin._output import short as _short
 from ledgerbox.admin._output import table as _table
@@ -50,33 +48,15 @@ _FILTERS = ["key", "event_type", "topic", "older_than_s", "error", "limit"]
 
 
 def _fail(command: str, exc: BaseException) -> typer.Exit:
-    typer.echo(scrub(f"ledgerbox relay dead {command}: {exc}"), err=True)
-    return typer.Exit(2)
+    return fail(f"ledgerbox relay dead {command}", exc)
 
 
 def _run(command: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run the coroutine; an expected failure is one line on stderr and exit 2."""
-    try:
-        return asyncio.run(make())
-    except LedgerboxError as exc:
-        raise _fail(command, exc) from None
+    return run(f"ledgerbox relay dead {command}", make)
 
 
 def _database(command: str, values: Values) -> Database:
-    from ledgerbox.admin._types import Database
-
-    if not values["database_url"]:
-        raise _fail(
-            command, ConfigurationError("no database URL: set --database-url or DATABASE_URL")
-        )
-    try:
-        return Database(
-            url=values["database_url"],
-            schema=values["schema"],
-            outbox_table=values["outbox_table"] or "outbox",
-        )
-    except LedgerboxError as exc:
-        raise _fail(command, exc) from None
+    return database(f"ledgerbox relay dead {command}", values, outbox_table="outbox")
 
 
 def _filter(command: str, values: Values) -> DeadFilter:

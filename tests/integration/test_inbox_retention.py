@@ -19,7 +19,8 @@ from ledgerbox.inbox import ConsumerConfig, InboxConsumer
 
 async def commit_offset(bootstrap: str, group: str, topic: str, offset: int) -> None:
     """Commit ``offset`` for partition 0 of ``topic`` as ``group`` (without consuming)."""
-    client = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
+    # No auto-commit: stop() would commit the client's own position over ``offset``.
+    client = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
     client.assign([TopicPartition(topic, 0)])
     await client.start()
     try:
