@@ -44,6 +44,9 @@ __all__ = [
 REPLAY = "relay.dead.replay"
 DISCARD = "relay.dead.discard"
 
+#: Outbox row ids are ``bigint``: no row has an id outside ``1..MAX_ROW_ID``.
+MAX_ROW_ID = 2**63 - 1
+
 
 def relay_store(db: Database) -> PgRelayStore:
     """The relay store of ``db`` for an operator (``application_name =
@@ -128,6 +131,8 @@ async def show_dead_event(db: Database, row_id: int) -> DeadEvent:
     ledgerbox.DatabaseError
         If the read failed.
     """
+    if not 0 < row_id <= MAX_ROW_ID:
+        raise _not_found(row_id)
     store = relay_store(db)
     try:
         rows = await store.dead_lettered(DeadQuery(ids=[row_id], limit=1, with_body=True))
@@ -274,6 +279,9 @@ async def _act(
             "(command line: ids, or --all-matching with --key/--event-type/--topic/...)",
             setting="ids",
         )
+    impossible = sorted(i for i in ids if not 0 < i <= MAX_ROW_ID)
+    if impossible:
+        raise _not_found(impossible[0])
     actor = actor or default_actor()
     filters: dict[str, Any] = {"ids": list(ids)} if filter is None else filter.to_json()
     store = relay_store(db)
