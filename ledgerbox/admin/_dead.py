@@ -245,8 +245,10 @@ async def replay_dead_events(
     ledgerbox.admin.NotFoundError
         An id is not a dead-lettered row; nothing was changed, no audit row written.
     ledgerbox.DatabaseError
-        A database call failed. Each row is replayed in its own transaction (the relay
-        store's); the rows done before the failure stay replayed and are audited.
+        A database call failed. The audit table is checked first (missing: migration 0003
+        not applied; or no INSERT privilege): then nothing is changed. Each row is replayed
+        in its own transaction (the relay store's); the rows done before a later failure
+        stay replayed and are audited.
     """
     return await _act(db, REPLAY, ids, filter, actor, dry_run)
 
@@ -289,6 +291,10 @@ async def _act(
     done: list[str] = []
     changed = 0
     try:
+        # Before any row changes: the audit row written at the end must be possible (the
+        # operator tables of revision 0003 exist and the role may insert), or a replay would
+        # be done, unaudited, and reported as failed.
+        await admin.check_audit()
         if filter is None:
             wanted = sorted(set(ids))
             rows = await store.dead_lettered(DeadQuery(ids=wanted, limit=len(wanted)))
