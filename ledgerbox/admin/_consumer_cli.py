@@ -24,7 +24,7 @@ from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings
 from ledgerbox._core.operator_settings import OPERATOR_SWITCHES
 from ledgerbox._core.redaction import scrub
 from ledgerbox._core.settings import Values
-from ledgerbox.admin._output import log_actions, print_json, short, table
+from ledgerbox.admin._output import log_actions, print_json, quiet_kafka_client, short, table
 from ledgerbox.inbox._cli import CONSUMER_SETTINGS
 from ledgerbox.inbox._cli import app as consumer_app
 
@@ -62,6 +62,7 @@ def _fail(command: str, exc: BaseException) -> typer.Exit:
 
 
 def _run(command: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    quiet_kafka_client()
     try:
         return asyncio.run(make())
     except LedgerboxError as exc:

@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-__all__ = ["log_actions", "print_json", "short", "table"]
+__all__ = ["log_actions", "print_json", "quiet_kafka_client", "short", "table"]
 
 
 def print_json(value: Any) -> None:
@@ -41,3 +41,14 @@ def log_actions() -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
+
+
+def quiet_kafka_client() -> None:
+    """Keep the Kafka client's own log lines (``aiokafka``: "Unable connect to ...") off
+    stderr in an operator command: without a configured handler Python prints them through
+    its last-resort handler, before the command's one line, which already names the failure
+    (the client's error is translated into ``ledgerbox.BrokerError``). A handler configured
+    on the root logger still receives them."""
+    log = logging.getLogger("aiokafka")
+    if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
+        log.addHandler(logging.NullHandler())

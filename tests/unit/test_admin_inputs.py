@@ -6,6 +6,9 @@ an empty list), a row id beyond ``bigint`` (before: a database out-of-range erro
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -49,3 +52,21 @@ async def test_a_row_id_no_bigint_can_hold_is_not_found_without_a_database_call(
     for act in (admin.replay_dead_events, admin.discard_dead_events):
         with pytest.raises(admin.NotFoundError, match=f"outbox row {row_id} "):
             await act(db, [5, row_id], actor="t")
+
+
+@pytest.mark.parametrize("args", [("lag", "--group", "g"), ("lag", "--group", "g", "--json")])
+def test_kafka_unreachable_is_one_line_on_stderr(args: tuple[str, ...]) -> None:
+    # Before: aiokafka's own ERROR line ("Unable connect to ...") came first, through
+    # Python's last-resort handler: two lines.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "LEDGERBOX_"))}
+    out = subprocess.run(
+        [sys.executable, "-m", "ledgerbox", "consumer", *args],
+        env={**env, "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("ledgerbox consumer ") and "KafkaConnectionError" in line
