@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from ledgerbox._core.errors import DatabaseError
+from ledgerbox._core.faults import Fault
 from ledgerbox.admin._table import AUDIT_TABLE, DLQ_ACTION_TABLE
 from ledgerbox.admin._types import ActionResult, AuditEntry, Database
 from ledgerbox.inbox._store import REQUEST_REPLAY
@@ -34,6 +35,10 @@ INSERT_AUDIT: LiteralString = """
 INSERT INTO {audit} (actor, action, dry_run, filters, ids, changed)
 VALUES (:actor, :action, :dry_run, CAST(:filters AS jsonb), CAST(:ids AS jsonb), :changed)
 RETURNING id, at
+"""
+# Raises undefined_table (42P01) when the table is missing; false without INSERT privilege.
+CAN_AUDIT: LiteralString = """
+SELECT has_table_privilege(CAST(:audit AS text), 'INSERT')
 """
 LIST_AUDIT: LiteralString = """
 SELECT id, at, actor, action, dry_run, filters, ids, changed FROM {audit}
@@ -104,6 +109,8 @@ class AdminStore:
             "dlq_action": f"{prefix}{DLQ_ACTION_TABLE}",
             "table": f"{prefix}{db.inbox_table}",
         }
+        self._audit_name = names["audit"]
+        self._can_audit = sa.text(CAN_AUDIT)
         self._insert_audit = sa.text(INSERT_AUDIT.format(**names))
         self._list_audit = sa.text(LIST_AUDIT.format(**names))
         self._dlq_states = sa.text(DLQ_STATES.format(**names))
@@ -126,6 +133,40 @@ class AdminStore:
             if error is None:
                 raise
             raise error from exc
+
+    async def check_audit(self) -> None:
+        """Raise unless an audit row can be written: call it before an action changes
+        anything.
+
+        Raises
+        ------
+        ledgerbox.DatabaseError
+            The audit table is missing (``sqlstate`` 42P01; the message says to run
+            ``ledgerbox migrate``), the role may not insert into it (``sqlstate`` 42501), or
+            the database call failed.
+        """
+        try:
+            async with self.begin("audit check") as conn:
+                allowed = (
+                    await conn.execute(self._can_audit, {"audit": self._audit_name})
+                ).scalar()
+        except DatabaseError as exc:
+            if exc.sqlstate != "42P01":
+                raise
+            raise DatabaseError(
+                f"the operator audit table {self._audit_name} does not exist in "
+                f"{self.db.label} (schema revision 0003 missing): run `ledgerbox migrate`; "
+                "nothing was changed",
+                fault=exc.fault,
+                sqlstate=exc.sqlstate,
+            ) from exc
+        if not allowed:
+            raise DatabaseError(
+                f"this role may not insert into {self._audit_name} in {self.db.label}: grant "
+                'it INSERT (docs/operations.md, "The audit trail"); nothing was changed',
+                fault=Fault.ENVIRONMENT,
+                sqlstate="42501",
+            )
 
     async def audit(
         self,

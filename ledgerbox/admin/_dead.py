@@ -44,6 +44,9 @@ __all__ = [
 REPLAY = "relay.dead.replay"
 DISCARD = "relay.dead.discard"
 
+#: Outbox row ids are ``bigint``: no row has an id outside ``1..MAX_ROW_ID``.
+MAX_ROW_ID = 2**63 - 1
+
 
 def relay_store(db: Database) -> PgRelayStore:
     """The relay store of ``db`` for an operator (``application_name =
@@ -128,6 +131,8 @@ async def show_dead_event(db: Database, row_id: int) -> DeadEvent:
     ledgerbox.DatabaseError
         If the read failed.
     """
+    if not 0 < row_id <= MAX_ROW_ID:
+        raise _not_found(row_id)
     store = relay_store(db)
     try:
         rows = await store.dead_lettered(DeadQuery(ids=[row_id], limit=1, with_body=True))
@@ -240,8 +245,10 @@ async def replay_dead_events(
     ledgerbox.admin.NotFoundError
         An id is not a dead-lettered row; nothing was changed, no audit row written.
     ledgerbox.DatabaseError
-        A database call failed. Each row is replayed in its own transaction (the relay
-        store's); the rows done before the failure stay replayed and are audited.
+        A database call failed. The audit table is checked first (missing: migration 0003
+        not applied; or no INSERT privilege): then nothing is changed. Each row is replayed
+        in its own transaction (the relay store's); the rows done before a later failure
+        stay replayed and are audited.
     """
     return await _act(db, REPLAY, ids, filter, actor, dry_run)
 
@@ -274,6 +281,9 @@ async def _act(
             "(command line: ids, or --all-matching with --key/--event-type/--topic/...)",
             setting="ids",
         )
+    impossible = sorted(i for i in ids if not 0 < i <= MAX_ROW_ID)
+    if impossible:
+        raise _not_found(impossible[0])
     actor = actor or default_actor()
     filters: dict[str, Any] = {"ids": list(ids)} if filter is None else filter.to_json()
     store = relay_store(db)
@@ -281,6 +291,10 @@ async def _act(
     done: list[str] = []
     changed = 0
     try:
+        # Before any row changes: the audit row written at the end must be possible (the
+        # operator tables of revision 0003 exist and the role may insert), or a replay would
+        # be done, unaudited, and reported as failed.
+        await admin.check_audit()
         if filter is None:
             wanted = sorted(set(ids))
             rows = await store.dead_lettered(DeadQuery(ids=wanted, limit=len(wanted)))

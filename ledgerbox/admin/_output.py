@@ -19,7 +19,16 @@ from ledgerbox._core.settings import Values
 if TYPE_CHECKING:
     from ledgerbox.admin._types import Database
 
-__all__ = ["database", "fail", "log_actions", "print_json", "run", "short", "table"]
+__all__ = [
+    "database",
+    "fail",
+    "log_actions",
+    "print_json",
+    "quiet_kafka_client",
+    "run",
+    "short",
+    "table",
+]
 
 T = TypeVar("T")
 
@@ -32,7 +41,9 @@ def fail(command: str, exc: BaseException) -> typer.Exit:
 
 
 def run(command: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run the coroutine; an expected failure (a LedgerboxError) is one line and exit 2."""
+    """Run the coroutine; an expected failure (a LedgerboxError) is one line and exit 2
+    (the Kafka client's own log lines kept off stderr: :func:`quiet_kafka_client`)."""
+    quiet_kafka_client()
     try:
         return asyncio.run(make())
     except LedgerboxError as exc:
@@ -88,3 +99,14 @@ def log_actions() -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
+
+
+def quiet_kafka_client() -> None:
+    """Keep the Kafka client's own log lines (``aiokafka``: "Unable connect to ...") off
+    stderr in an operator command: without a configured handler Python prints them through
+    its last-resort handler, before the command's one line, which already names the failure
+    (the client's error is translated into ``ledgerbox.BrokerError``). A handler configured
+    on the root logger still receives them."""
+    log = logging.getLogger("aiokafka")
+    if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
+        log.addHandler(logging.NullHandler())

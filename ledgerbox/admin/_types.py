@@ -7,9 +7,11 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import getpass
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import sql_identifier
 from ledgerbox.admin._errors import InvalidFilterError
 
@@ -79,7 +81,8 @@ class Database:
     Raises
     ------
     ledgerbox.ConfigurationError
-        If a name is not a SQL identifier.
+        If ``url`` is not a PostgreSQL URL (``setting`` is ``"database_url"``; the message
+        never shows the URL, which may hold a password) or a name is not a SQL identifier.
     """
 
     url: str = field(repr=False)
@@ -88,6 +91,7 @@ class Database:
     inbox_table: str = "inbox"
 
     def __post_init__(self) -> None:
+        _check_url(self.url)
         sql_identifier(self.outbox_table, "outbox table name")
         sql_identifier(self.inbox_table, "inbox table name")
         if self.schema is not None:
@@ -105,14 +109,34 @@ class Database:
         return f"{url.host or 'localhost'}:{url.port or 5432}/{url.database or ''}"
 
 
+def _check_url(url: str) -> None:
+    """Refuse what SQLAlchemy cannot parse or what is not PostgreSQL, before any engine is
+    made (an engine would raise a bare ``ArgumentError`` or a missing-driver error)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        backend = make_url(url).get_backend_name()
+    except (ArgumentError, ValueError):
+        backend = None
+    if backend not in ("postgresql", "postgres"):
+        raise ConfigurationError(
+            "the database URL is not a PostgreSQL URL: give "
+            "postgresql+psycopg://user:password@host:5432/database "
+            "(--database-url or DATABASE_URL)",
+            setting="database_url",
+        )
+
+
 def _check_common(limit: int, older_than_s: float | None) -> None:
     if not 1 <= limit <= MAX_LIMIT:
         raise InvalidFilterError(
             f"limit must be between 1 and {MAX_LIMIT}, not {limit}", setting="limit"
         )
-    if older_than_s is not None and not older_than_s >= 0:
+    if older_than_s is not None and not 0 <= older_than_s < math.inf:
         raise InvalidFilterError(
-            f"older_than_s must be >= 0 seconds, not {older_than_s}", setting="older_than_s"
+            f"older_than_s must be >= 0 seconds and finite, not {older_than_s}",
+            setting="older_than_s",
         )
 
 

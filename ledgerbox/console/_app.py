@@ -188,14 +188,13 @@ def create_app(
         views = await gather(config, source, rates)
         key = request.query_params.get("flash")
         message = flashes.get(key) if key else None
-        refresh = request.query_params.get("refresh", "")
         return render(
             "page.html",
             views=views,
             services={s.name: s for s in config.services},
             kafka=config.kafka is not None,
             message=message,
-            refresh=int(refresh) if refresh.isdigit() and 1 <= int(refresh) <= 3600 else None,
+            refresh=_refresh_s(request.query_params.get("refresh", "")),
             now=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         )
 
@@ -242,6 +241,14 @@ _SECURITY_HEADERS = {
 
 class _BadInput(Exception):
     pass
+
+
+def _refresh_s(value: str) -> int | None:
+    """``?refresh=N``: N seconds between reloads when N is 1..3600 in ASCII digits, else
+    ``None`` (``str.isdigit`` alone also accepts digits such as ``²`` that ``int`` refuses)."""
+    if value.isascii() and value.isdigit() and 1 <= int(value) <= 3600:
+        return int(value)
+    return None
 
 
 def _one(fields: dict[str, list[str]], name: str) -> str | None:

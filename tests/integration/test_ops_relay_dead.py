@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from aiokafka.errors import MessageSizeTooLargeError
 from sqlalchemy import Engine, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ledgerbox import admin
+from ledgerbox import DatabaseError, admin
 from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
 from ledgerbox.outbox import EventEnvelope
 from ledgerbox.relay import KafkaPublisher, OutboundRecord, PublishError, Relay
@@ -282,3 +282,54 @@ async def test_relay_dead_list_replay_discard_keep_order_and_event_ids(
     finally:
         await relay.aclose()
         await consumer.aclose()
+
+
+def _rows(engine: Engine) -> list[tuple[int, int, str]]:
+    with engine.connect() as conn:
+        return [
+            (int(i), int(s), str(t))
+            for i, s, t in conn.execute(
+                text("SELECT id, status, txid::text FROM outbox ORDER BY id")
+            )
+        ]
+
+
+async def test_replay_and_discard_change_nothing_where_the_audit_table_is_missing(
+    empty_database_url: str,
+) -> None:
+    """A database at revision 0002 (the operator tables of 0003 missing) with a dead row and
+    a row held behind it: replay, discard and a dry run are refused with one line naming
+    `ledgerbox migrate` and exit 2, and no row is touched (before: the rows were replayed,
+    then the audit insert failed: done, unaudited and reported as failed)."""
+    from ledgerbox import migrations
+
+    url = empty_database_url
+    migrations.upgrade_database(url, revision="0002")
+    engine = sa.create_engine(url)
+    try:
+        writer = rs.writer_for("ops-unmigrated")
+        rs.stage(engine, writer, [rs.event(writer, "K", 1), rs.event(writer, "K", 2)])
+        with engine.begin() as conn:  # what a relay does when Kafka refuses the first for good
+            conn.execute(text("UPDATE outbox SET status = 2, last_error = 'refused' WHERE id = 1"))
+            conn.execute(text("UPDATE outbox SET status = 3 WHERE id = 2"))
+        before = _rows(engine)
+        assert [s for _i, s, _t in before] == [2, 3]
+        db = admin.Database(url=url)
+        calls: list[Callable[[], Awaitable[admin.ActionResult]]] = [
+            lambda: admin.replay_dead_events(db, [1], actor="t"),
+            lambda: admin.discard_dead_events(db, [1], actor="t"),
+            lambda: admin.replay_dead_events(db, filter=admin.DeadFilter(key="K"), actor="t"),
+        ]
+        for call in calls:
+            with pytest.raises(DatabaseError) as refused:
+                await call()
+            assert _rows(engine) == before, "a refused action changed rows"
+            assert "run `ledgerbox migrate`" in str(refused.value)
+        for args in (("replay", "1"), ("discard", "1"), ("replay", "1", "--dry-run")):
+            out = _cli(*args, DATABASE_URL=url, LEDGERBOX_RELAY_DATABASE_URL=url)
+            assert out.returncode == 2, (args, out.stdout, out.stderr)
+            (line,) = out.stderr.strip().splitlines()
+            assert "ledgerbox_ops_audit does not exist" in line and "ledgerbox migrate" in line
+            assert _rows(engine) == before, args
+    finally:
+        engine.dispose()

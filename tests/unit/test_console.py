@@ -207,6 +207,19 @@ def test_the_page_shows_every_section_escaped() -> None:
     assert "disabled" in row
 
 
+@pytest.mark.parametrize("value", ["\u00b2", "\u0663", "1\u00b9", "-5", "0", "99999", "x", ""])
+def test_a_refresh_that_is_not_1_to_3600_ascii_digits_is_ignored(value: str) -> None:
+    # Before: "?refresh=²" (a Unicode digit str.isdigit() accepts) answered 500 (ValueError).
+    page = client(ConsoleConfig(services=[service()])).get("/", params={"refresh": value})
+    assert page.status_code == 200
+    assert 'http-equiv="refresh"' not in page.text
+
+
+def test_a_refresh_of_ascii_digits_reloads_the_page() -> None:
+    page = client(ConsoleConfig(services=[service()])).get("/?refresh=10")
+    assert '<meta http-equiv="refresh" content="10">' in page.text
+
+
 def test_replay_goes_through_the_source_with_the_console_actor() -> None:
     source = InMemorySource({"orders": data()})
     c = client(ConsoleConfig(services=[service()]), source)
