@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy import make_url
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "security.md"
-ROLES = ("relay", "consumer", "app")
+ROLES = ("relay", "consumer", "app", "operator")
 
 
 def roles_sql() -> str:
@@ -35,7 +35,7 @@ def doc_grants() -> dict[str, dict[str, set[str]]]:
 
 @dataclass(frozen=True)
 class Roles:
-    """The three roles of one test: ``names[role]`` and ``urls[role]`` (the database URL as
+    """The roles of one test: ``names[role]`` and ``urls[role]`` (the database URL as
     that role, with its password)."""
 
     names: dict[str, str]

@@ -279,7 +279,8 @@ class CommandSettings:
             return f"ledgerbox {self.command}: {problem}"
         s = self.settings[name]
         value = values.get(name)
-        shown = isinstance(value, str) and repr(value) in problem  # e.g. a bad identifier
+        # Already in the problem: a bad identifier quotes it, a range check says "(got ...)".
+        shown = "(got " in problem or (isinstance(value, str) and repr(value) in problem)
         if not s.secret and value is not None and not shown:
             problem = f"{problem} (got {value!r})"
         return f"ledgerbox {self.command}: {problem}; set {self.where(name)}"

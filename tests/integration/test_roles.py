@@ -224,3 +224,36 @@ async def test_a_wrong_database_password_makes_relay_run_exit_2_in_one_line(
     assert line.endswith("fix the user or password of the database URL"), line
     assert f'password authentication failed for user "{roles.names["relay"]}"' in line
     assert "not-the-relay-password" not in out and "Traceback" not in out
+
+
+def test_the_operator_role_replays_and_discards_a_dead_event(
+    roles: Roles, database_url: str
+) -> None:
+    """The operator role of the doc runs the operator commands: status, list, a dry run, a
+    replay and a discard, each audited; and it cannot write events."""
+    _stage(roles.urls["app"], "ops-t", [("OrderPlaced", "op-1"), ("OrderPaid", "op-1")])
+    # The first event of the key dead-lettered, the second held behind it.
+    execute(
+        database_url,
+        "UPDATE outbox SET status = 2, last_error = 'planted' WHERE event_type = 'OrderPlaced'",
+        "UPDATE outbox SET status = 3 WHERE event_type = 'OrderPaid'",
+    )
+    dead = _count(database_url, "SELECT id FROM outbox WHERE event_type = 'OrderPlaced'")
+    env = s.clean_env(DATABASE_URL=roles.urls["operator"])
+    for command in (
+        ["relay", "status"],
+        ["relay", "dead", "list"],
+        ["relay", "dead", "replay", str(dead), "--dry-run"],
+        ["relay", "dead", "replay", str(dead)],
+    ):
+        code, out = s.run(command, env)
+        assert code == 0, (command, out)
+    assert _count(database_url, "SELECT count(*) FROM outbox WHERE status IN (2, 3)") == 0
+    execute(database_url, f"UPDATE outbox SET status = 2 WHERE id = {dead}")  # noqa: S608 (an int)
+    code, out = s.run(["relay", "dead", "discard", str(dead)], env)
+    assert code == 0, out
+    assert _count(database_url, f"SELECT status FROM outbox WHERE id = {dead}") == 4  # noqa: S608
+    assert _count(database_url, "SELECT count(*) FROM ledgerbox_ops_audit") == 3
+    with pytest.raises(sa.exc.ProgrammingError) as caught:
+        _stage(roles.urls["operator"], "t", [("OrderPlaced", "x")])
+    assert isinstance(caught.value.orig, psycopg.errors.InsufficientPrivilege)

@@ -439,3 +439,14 @@ def test_main_hands_hooks_to_the_run_command(captured: _Captured) -> None:
         )
     assert done.value.code == 0
     assert captured.hooks == [hooks]
+
+
+def test_an_error_that_names_its_value_gets_no_second_got() -> None:
+    """``ledgerbox console --port 99999`` said "port must be in 0..65535 (got 99999) (got
+    99999)": a problem that already quotes the value (an int here) is printed once."""
+    line = CONSOLE_SETTINGS.error_line(
+        settings_module.ConfigurationError("port must be in 0..65535 (got 99999)", setting="port"),
+        {"port": 99999},
+    )
+    assert line.count("(got ") == 1, line
+    assert line.startswith("ledgerbox console: port must be in 0..65535 (got 99999); set "), line
