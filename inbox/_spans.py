@@ -62,6 +62,12 @@ def consumer_span(
 
 
 def set_outcome(span: Span | None, outcome: Outcome) -> None:
-    """Record the record's :class:`inbox.Outcome` value on its span (if any)."""
+    """Record the record's :class:`inbox.Outcome` value on its span (if any); a
+    dead-lettered record's span ends in ERROR (its handler's exception was caught by the
+    dead-lettering, so it never left the span; docs/observability.md)."""
     if span is not None:
         span.set_attribute(MESSAGING.OUTCOME, outcome.value)
+        if outcome.value == "dead_lettered":
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, "dead-lettered"))

@@ -122,3 +122,19 @@ def test_batch_span_links_at_most_max_links(sdk: InMemorySpanExporter) -> None:
     assert done.attributes is not None
     assert done.attributes["messaging.batch.message_count"] == len(rows)
     assert done.attributes["messaging.destination.name"] == "t"
+
+
+def test_a_dead_lettered_record_ends_its_span_in_error(sdk: InMemorySpanExporter) -> None:
+    """docs/observability.md: a record whose processing failed carries an ERROR status. The
+    handler's exception is caught by the dead-lettering (it never leaves the span), so the
+    outcome sets it; every other outcome leaves the status unset."""
+    from ledgerbox.inbox import Outcome
+
+    event = _event()
+    for outcome in (Outcome.DEAD_LETTERED, Outcome.APPLIED):
+        with inbox_spans.consumer_span("g", record_for(event), event) as span:
+            inbox_spans.set_outcome(span, outcome)
+    dead, applied = [s for s in sdk.get_finished_spans() if s.name.startswith("process ")]
+    assert dead.status.status_code is ot.StatusCode.ERROR
+    assert dead.attributes is not None and dead.attributes["ledgerbox.outcome"] == "dead_lettered"
+    assert applied.status.status_code is ot.StatusCode.UNSET
