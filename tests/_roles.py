@@ -56,9 +56,11 @@ def execute(url: str, *statements: str) -> None:
 @contextmanager
 def doc_roles(admin_url: str, passwords: dict[str, str] | None = None) -> Iterator[Roles]:
     """Create the doc's roles in the database of ``admin_url`` (a superuser URL), named
-    ``ledgerbox_<role>_<random>``, with ``passwords`` (default: random); dropped afterwards."""
+    ``ledgerbox_<role>_<random>``, with ``passwords`` (per role; default: random); dropped
+    afterwards."""
     suffix = uuid.uuid4().hex[:8]
-    chosen = passwords or {r: f"{r}-pw-{uuid.uuid4().hex[:12]}" for r in ROLES}
+    # Roles without a chosen password get a random one (a role added to the doc later too).
+    chosen = {r: f"{r}-pw-{uuid.uuid4().hex[:12]}" for r in ROLES} | (passwords or {})
     names = {r: f"ledgerbox_{r}_{suffix}" for r in ROLES}
     sql = roles_sql()
     doc_passwords = dict(re.findall(r"ROLE ledgerbox_(\w+) LOGIN PASSWORD '([^']*)'", sql))
