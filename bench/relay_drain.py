@@ -109,24 +109,30 @@ def _load(url: str, rows: list[tuple[Any, ...]]) -> None:
         conn.execute("VACUUM ANALYZE outbox")
 
 
-def _loaded(conn: psycopg.Connection[Any]) -> tuple[str, list[int]]:
-    """The transaction id the backlog was written with and its shards."""
+def _loaded(conn: psycopg.Connection[Any]) -> tuple[str, dict[int, int]]:
+    """The transaction id the backlog was written with, and each of its shards' last row id."""
     row = conn.execute("SELECT max(txid)::text FROM outbox").fetchone()
-    shards = [int(r[0]) for r in conn.execute("SELECT DISTINCT shard FROM outbox").fetchall()]
+    last = dict(conn.execute("SELECT shard, max(id) FROM outbox GROUP BY shard").fetchall())
     assert row is not None
-    return str(row[0]), shards
+    return str(row[0]), {int(k): int(v) for k, v in last.items()}
 
 
-def _cursors_passed(conn: psycopg.Connection[Any], txid: str, shards: list[int]) -> int:
-    """How many of ``shards`` have a persisted cursor that passed transaction ``txid``.
+def _cursors_passed(conn: psycopg.Connection[Any], txid: str, last: dict[int, int]) -> int:
+    """How many of the backlog's shards have a persisted cursor past their last row: the
+    range closed after transaction ``txid`` (``lo`` sees it), or still open on a snapshot
+    that sees it with ``after_id`` at the shard's last row. (A range whose last batch ended
+    the shard's rows stays open until the next batch of that shard: the relay persists once
+    per batch, never for an empty claim, so ``lo`` alone never passed on those shards.)
 
     Reads the 64 lease rows only (~0.1 ms): the monitor must not load the database the relay
     works against (a count(*) of the backlog polled every 50 ms did, in an earlier version).
     """
     row = conn.execute(
-        "SELECT count(*) FROM outbox_relay_lease WHERE shard = ANY(%s)"
-        " AND pg_visible_in_snapshot(%s::xid8, lo)",
-        (shards, txid),
+        "SELECT count(*) FROM outbox_relay_lease AS l"
+        " JOIN unnest(%s::int2[], %s::int8[]) AS b(shard, last_id) ON b.shard = l.shard"
+        " WHERE pg_visible_in_snapshot(%s::xid8, l.lo)"
+        "    OR (pg_visible_in_snapshot(%s::xid8, l.hi) AND l.after_id >= b.last_id)",
+        (list(last), list(last.values()), txid, txid),
     ).fetchone()
     return int(row[0])  # type: ignore[index]
 
@@ -182,7 +188,7 @@ def _relay_drain(url: str, bootstrap: str, processes: int = 1) -> dict[str, floa
         "LEDGERBOX_RELAY_LOG_LEVEL": "WARNING",
     }
     with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
-        txid, shards = _loaded(conn)
+        txid, last = _loaded(conn)
         total = int(
             conn.execute("SELECT count(*) FROM outbox WHERE txid = %s::xid8", (txid,)).fetchone()[0]  # type: ignore[index]
         )
@@ -201,7 +207,7 @@ def _relay_drain(url: str, bootstrap: str, processes: int = 1) -> dict[str, floa
             relay0 = sum(_ticks(p.pid) for p in procs)
             backends0 = {pid: _ticks(pid) for pid in _relay_backends(conn)}
             first = total - _passed_rows(conn, txid)
-            while _cursors_passed(conn, txid, shards) < len(shards):
+            while _cursors_passed(conn, txid, last) < len(last):
                 time.sleep(0.05)
             elapsed = time.perf_counter() - t0
             relay_ticks = sum(_ticks(p.pid) for p in procs) - relay0
