@@ -21,7 +21,9 @@ the latency when the machine is not saturated by the load generator itself.
 Environment knobs (for quick runs): ``BENCH_E2E_RATE``, ``BENCH_E2E_DURATION_S``,
 ``BENCH_E2E_ROUNDS``, ``BENCH_E2E_PRODUCERS``, ``BENCH_E2E_LIGHT_RATE`` (0: no light run),
 ``BENCH_E2E_LIGHT_DURATION_S``, ``BENCH_E2E_RELAY_ARGS`` (extra ``relay run`` options, e.g.
-``"--lanes 1"``).
+``"--lanes 1"``), ``BENCH_E2E_PYSPY`` (a directory: py-spy records the relay and the consumer
+over the measured window of each round there, as collapsed stacks, ``relay-N.txt`` and
+``consumer-N.txt``; py-spy must be installed).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ PRODUCERS = int(os.environ.get("BENCH_E2E_PRODUCERS", "2"))
 LIGHT_RATE = float(os.environ.get("BENCH_E2E_LIGHT_RATE", "200"))
 LIGHT_DURATION_S = float(os.environ.get("BENCH_E2E_LIGHT_DURATION_S", "30"))
 RELAY_ARGS = os.environ.get("BENCH_E2E_RELAY_ARGS", "").split()
+PYSPY_DIR = os.environ.get("BENCH_E2E_PYSPY", "")
+_ROUND_NO = iter(range(1, 1_000_000))
 
 
 async def _create_topic(name: str) -> None:
@@ -125,6 +129,39 @@ def _wait_applied(engine: sa.Engine, expected: int, deadline_s: float) -> int:
     return count
 
 
+def _spies(daemons: list[subprocess.Popen[bytes]], seconds: float) -> list[subprocess.Popen[bytes]]:
+    """py-spy on the relay and the consumer for ``seconds`` when ``BENCH_E2E_PYSPY`` is set."""
+    if not PYSPY_DIR:
+        return []
+    out = Path(PYSPY_DIR)
+    out.mkdir(parents=True, exist_ok=True)
+    n = next(_ROUND_NO)
+    spies = []
+    for name, daemon in zip(("relay", "consumer"), daemons, strict=True):
+        spies.append(
+            subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "-p",
+                    str(daemon.pid),
+                    "-d",
+                    str(int(seconds)),
+                    "-r",
+                    "200",
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(out / f"{name}-{n}.txt"),
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    return spies
+
+
 def _round(rate: float, duration_s: float) -> dict[str, float]:
     topic = f"bench-e2e-{uuid.uuid4().hex[:8]}"
     asyncio.run(_create_topic(topic))
@@ -167,7 +204,7 @@ def _round(rate: float, duration_s: float) -> dict[str, float]:
                     "ledgerbox.inbox",
                     "run",
                     "--app",
-                    "bench._e2e_consumer:make_consumer",
+                    os.environ.get("BENCH_E2E_APP", "bench._e2e_consumer:make_consumer"),
                 ],
                 env=env,
                 stdout=(logs / "consumer.log").open("w"),
@@ -203,9 +240,12 @@ def _round(rate: float, duration_s: float) -> dict[str, float]:
                 )
                 for out in outs
             ]
+            spies = _spies(daemons, duration_s * 0.8)
             # CPU over the first 90% of the run, while the producers still live.
             time.sleep(duration_s * 0.9)
             cpu = _cpu_pct(cpu_before, time.monotonic() - cpu_started)
+            for spy in spies:
+                spy.wait()
             for producer in producers:
                 if producer.wait() != 0:
                     raise RuntimeError("a producer failed")

@@ -6,6 +6,10 @@ newly inserted events in offset order, one commit (events whose row is DEAD_LETT
 acknowledged without their handler, C17). Any error rolls the whole run back and its
 records go through the per-message path (:mod:`inbox._message`) one by one, with its retries
 and dead-lettering, so the guarantees are those of one message.
+
+Redis on this path (:mod:`inbox._hints`): a run reads the "done" hints only where a duplicate
+is likely (:class:`inbox._hints.HintPolicy`), and the hints of a committed run are written
+in the background, after the commit, while the next run goes on.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ __all__ = ["BatchPipeline"]
 
 _log = logging.getLogger("ledgerbox.inbox")
 DEAD = Outcome.ALREADY_DEAD_LETTERED
+#: Outcomes that say the event had been seen before (the hint policy's "duplicate").
+_SEEN = frozenset({Outcome.DUPLICATE, Outcome.ALREADY_DEAD_LETTERED})
 
 
 class BatchPipeline:
@@ -71,6 +77,7 @@ class BatchPipeline:
                 run = await self._apply(records[i:j], events, registered)
             if run is not None:
                 outcomes.extend(run)
+                self._observe(records[j - 1], run)
                 i = j
                 continue
             for k in range(i, max(j, i + 1)):
@@ -81,8 +88,13 @@ class BatchPipeline:
                 outcomes.append(outcome)
                 if outcome is Outcome.ABANDONED:
                     return outcomes
+                self._observe(records[k], [outcome])
             i = max(j, i + 1)
         return outcomes
+
+    def _observe(self, last: Record, outcomes: Sequence[Outcome]) -> None:
+        duplicate = any(outcome in _SEEN for outcome in outcomes)
+        self.deps.hint_policy.observe(last.topic, last.partition, last.offset, duplicate)
 
     def _batchable_run(
         self, parsed: Sequence[Parsed], start: int, records: Sequence[Record]
@@ -112,7 +124,10 @@ class BatchPipeline:
         group, dedup, metrics = deps.group_id, deps.dedup, self.metrics
         ids = [e.event_id for e in events]
         done: set[uuid.UUID] = set()
-        if dedup is not None:
+        first = records[0]
+        if dedup is not None and self.deps.hint_policy.consult(
+            first.topic, first.partition, first.offset
+        ):
             done = await deps.gate.call(lambda: dedup.done_among(group, ids), set())
         outcomes: list[Outcome] = [Outcome.DUPLICATE] * len(events)
         todo: list[tuple[int, EventEnvelope, Record]] = []
@@ -186,10 +201,14 @@ class BatchPipeline:
         if deps.hooks.after_commit is not None:
             for record, outcome in zip(records, outcomes, strict=True):
                 await deps.hooks.after_commit(record, outcome)
-        if dedup is not None:
-            # Not for dead-lettered events: a "done" hint would hide their replay.
-            dead = {e.event_id for e, o in zip(events, outcomes, strict=True) if o is DEAD}
-            done_ids = [i for i in ids if i not in dead] if dead else ids
-            ttl_s = deps.config.dedup_ttl_s
-            await deps.gate.call(lambda: dedup.mark_done_many(group, done_ids, ttl_s), None)
+        if deps.hints is not None:
+            # Not for dead-lettered events: a "done" hint would hide their replay. Not for
+            # the ids Redis already knew (their key is set).
+            deps.hints.add(
+                [
+                    events[k].event_id
+                    for k, _e, _r in todo
+                    if outcomes[k] is not DEAD and events[k].event_id not in done
+                ]
+            )
         return outcomes

@@ -37,6 +37,7 @@ from ledgerbox.inbox._errors import StartupError
 from ledgerbox.inbox._gate import RedisGate
 from ledgerbox.inbox._handlers import ConsumerHooks, Handler, Registered
 from ledgerbox.inbox._health import ConsumerHealth, Health
+from ledgerbox.inbox._hints import DoneHintWriter, HintPolicy
 from ledgerbox.inbox._message import MessagePipeline
 from ledgerbox.inbox._metrics import GroupMetrics
 from ledgerbox.inbox._offsets import redelivery_bounds
@@ -143,6 +144,12 @@ class InboxConsumer:
             health=self._health,
             hooks=self.hooks,
             open_tx=self._open_tx,
+            hint_policy=HintPolicy(),
+            hints=(
+                None
+                if dedup is None
+                else DoneHintWriter(dedup, self.gate, config.group_id, config.dedup_ttl_s)
+            ),
         )
         self._messages = MessagePipeline(self._deps, DeadLetterer(self._deps))
         self._batches = BatchPipeline(self._deps, self._messages)
@@ -191,7 +198,10 @@ class InboxConsumer:
         return AsyncTx(self.async_engine) if is_async else SyncTx(self.engine)
 
     async def aclose(self) -> None:
-        """Release engines, producer and Redis connections this consumer created."""
+        """Release engines, producer and Redis connections this consumer created (after
+        the "done" hints still waiting were sent, for at most 2 s)."""
+        if self._deps.hints is not None:
+            await self._deps.hints.flush()
         await self.dead_letters.aclose()
         if self._redis_client is not None:
             with contextlib.suppress(Exception):

@@ -16,6 +16,7 @@ from ledgerbox.inbox._deadletter import DeadLetterPublisher
 from ledgerbox.inbox._gate import RedisGate
 from ledgerbox.inbox._handlers import ConsumerHooks, Registered
 from ledgerbox.inbox._health import ConsumerHealth
+from ledgerbox.inbox._hints import DoneHintWriter, HintPolicy
 from ledgerbox.inbox._metrics import GroupMetrics
 from ledgerbox.inbox._redis import AggregateLock, DedupStore
 from ledgerbox.inbox._store import InboxStore
@@ -56,6 +57,11 @@ class PipelineDeps:
     open_tx : Callable[[bool], Tx]
         ``open_tx(is_async)``: a new transaction, on an ``AsyncSession`` when ``is_async``,
         else on a sync ``Session`` driven from a worker thread. The caller closes it.
+    hint_policy : HintPolicy
+        Per partition, whether a record or run reads Redis before the database
+        (:mod:`inbox._hints`); both paths report what they found to it.
+    hints : DoneHintWriter | None
+        Writes "done" hints in the background after the commit; ``None`` without ``dedup``.
     """
 
     config: ConsumerConfig
@@ -70,3 +76,5 @@ class PipelineDeps:
     health: ConsumerHealth
     hooks: ConsumerHooks
     open_tx: Callable[[bool], Tx]
+    hint_policy: HintPolicy
+    hints: DoneHintWriter | None

@@ -126,15 +126,23 @@ class MessagePipeline:
             return await self._unhandled_event(record, event, abandon)
         owner: str | None = None
         marked_done = False
+        # Redis before the database only where a duplicate or a concurrent worker is
+        # likely (inbox._hints.HintPolicy); elsewhere the database claim is the only check
+        # and "done" is written in the background.
+        consult = deps.dedup is not None and deps.hint_policy.consult(
+            record.topic, record.partition, record.offset
+        )
         try:
-            if deps.dedup is not None:
+            if consult:
                 hint = await self._redis_fast_path(event, abandon)
                 if hint is Outcome.DUPLICATE:
                     return Outcome.DUPLICATE
                 owner = hint if isinstance(hint, str) else None
             outcome = await self._with_retries(registered, event, record, abandon)
             if outcome is Outcome.APPLIED or outcome is Outcome.DUPLICATE:
-                marked_done = await self.after_commit(record, event, outcome)
+                marked_done = await self.after_commit(
+                    record, event, outcome, background=not consult
+                )
             return outcome
         except Abandon:
             return Outcome.ABANDONED
@@ -363,9 +371,13 @@ class MessagePipeline:
             self.metrics.duplicates_db.inc()
         return outcome
 
-    async def after_commit(self, record: Record, event: EventEnvelope, outcome: Outcome) -> bool:
+    async def after_commit(
+        self, record: Record, event: EventEnvelope, outcome: Outcome, *, background: bool
+    ) -> bool:
         """Step 5 for one event whose effect is committed (``APPLIED``, or ``DUPLICATE``
-        found by the database): the hooks, then "done" in Redis. True if "done" was recorded.
+        found by the database): the hooks, then "done" in Redis, awaited, or handed to the
+        background writer when ``background`` (no "in progress" marker of ours waits for
+        it). True if "done" was recorded (awaited).
         """
         deps = self.deps
         if outcome is Outcome.APPLIED and deps.hooks.after_db_commit is not None:
@@ -374,6 +386,9 @@ class MessagePipeline:
             await deps.hooks.after_commit(record, outcome)
         dedup = deps.dedup
         if dedup is None:
+            return False
+        if background and deps.hints is not None:
+            deps.hints.add([event.event_id])
             return False
         group, event_id, ttl_s = deps.group_id, event.event_id, deps.config.dedup_ttl_s
 

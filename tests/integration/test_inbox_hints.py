@@ -1,0 +1,217 @@
+"""Redis on the inbox's hot path, against real PostgreSQL, Kafka and Redis (inbox._hints):
+records read in order cost no Redis read, a redelivery and a copy are caught by the hints,
+and every applied event's "done" key is written after its commit."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import sqlalchemy as sa
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.structs import OffsetAndMetadata
+from redis.asyncio import Redis
+from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, RedisDedupStore
+from ledgerbox.inbox._metrics import DUPLICATES, PROCESSED
+from ledgerbox.outbox import EventEnvelope
+from tests._inbox_support import committed, order_event, poll, produce
+
+metadata = sa.MetaData()
+applied = sa.Table(
+    "it_hint_applied",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("consumer_group", sa.Text, nullable=False),
+    sa.Column("order_id", sa.Text, nullable=False),
+)
+
+
+class CountingStore(RedisDedupStore):
+    """The real Redis store, counting the reads made before the database."""
+
+    def __init__(self, client: Redis, prefix: str) -> None:
+        super().__init__(client, prefix)
+        self.reads = 0
+
+    async def done_among(self, group: str, event_ids: list[uuid.UUID]) -> set[uuid.UUID]:
+        self.reads += 1
+        return await super().done_among(group, event_ids)
+
+    async def is_done(self, group: str, event_id: uuid.UUID) -> bool:
+        self.reads += 1
+        return await super().is_done(group, event_id)
+
+    async def claim(self, group: str, event_id: uuid.UUID, owner: str, ttl_ms: int) -> bool:
+        self.reads += 1
+        return await super().claim(group, event_id, owner, ttl_ms)
+
+
+def consumer_for(
+    database_url: str, bootstrap: str, topic: str, group: str, store: CountingStore
+) -> InboxConsumer:
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=[topic],
+            database_url=database_url,
+            kafka_bootstrap_servers=bootstrap,
+            commit_interval_ms=20,
+            batch_max_records=10,
+        ),
+        dedup=store,
+    )
+
+    @consumer.handler("OrderPlaced")
+    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        await ctx.session.execute(
+            sa.insert(applied).values(
+                consumer_group=ctx.group_id, order_id=event.payload["order_id"]
+            )
+        )
+
+    return consumer
+
+
+def applied_ids(engine: Engine, group: str) -> list[str]:
+    with engine.connect() as conn:
+        return list(
+            conn.scalars(
+                sa.select(applied.c.order_id)
+                .where(applied.c.consumer_group == group)
+                .order_by(applied.c.id)
+            )
+        )
+
+
+async def run_until(
+    consumer: InboxConsumer, bootstrap: str, group: str, topic: str, n: int
+) -> None:
+    task = asyncio.create_task(consumer.run())
+    try:
+
+        async def caught_up() -> bool:
+            assert not task.done() or task.result() is None
+            return await committed(bootstrap, group, topic) == n
+
+        await poll(caught_up, f"offset {n} committed")
+    finally:
+        consumer.stop()
+        await asyncio.wait_for(task, 60)  # aclose: the waiting hints are sent
+
+
+async def rewind(bootstrap: str, group: str, topic: str) -> None:
+    kafka = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
+    kafka.assign([TopicPartition(topic, 0)])
+    await kafka.start()
+    try:
+        await kafka.commit({TopicPartition(topic, 0): OffsetAndMetadata(0, "")})
+    finally:
+        await kafka.stop()
+
+
+async def test_in_order_records_read_no_hint_and_a_redelivery_is_caught_by_them(
+    database_url: str,
+    engine: Engine,
+    kafka_bootstrap: str,
+    new_topic: Any,
+    redis_client: Redis,
+    redis_prefix: str,
+) -> None:
+    metadata.create_all(engine)
+    topic = await new_topic.acreate("inbox-hints", partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    events = [order_event(topic, str(i)) for i in range(60)]
+    first = CountingStore(redis_client, redis_prefix)
+    consumer = consumer_for(database_url, kafka_bootstrap, topic, group, first)
+    task = asyncio.create_task(consumer.run())
+    try:
+        for start in range(0, 60, 6):  # several fetches, so several batches
+            await produce(kafka_bootstrap, topic, events[start : start + 6])
+            await asyncio.sleep(0.05)
+
+        async def caught_up() -> bool:
+            return await committed(kafka_bootstrap, group, topic) == 60
+
+        await poll(caught_up, "offset 60 committed")
+    finally:
+        consumer.stop()
+        await asyncio.wait_for(task, 60)
+    assert applied_ids(engine, group) == [str(i) for i in range(60)]
+    assert PROCESSED.labels(group)._value.get() == 60
+    # Only the partition's first batch (new to this consumer) asked Redis: the records
+    # that followed in order went to the database alone.
+    assert first.reads == 1, first.reads
+    # Every applied event has its "done" key (written after the commits; the last ones
+    # by the consumer's close).
+    keys = [f"{redis_prefix}inbox:{group}:done:{e.event_id}" for e in events]
+    assert await redis_client.exists(*keys) == 60
+    ttl_ms = await redis_client.pttl(keys[0])
+    assert 0 < ttl_ms <= 86_400_000
+
+    # The same group reads the partition again from offset 0 (a lost offset commit, a new
+    # owner): the hints say "done" and the database is not asked to run anything again.
+    await rewind(kafka_bootstrap, group, topic)
+    before_redis = DUPLICATES.labels(group, "redis")._value.get()
+    before_db = DUPLICATES.labels(group, "db")._value.get()
+    second = CountingStore(redis_client, redis_prefix)
+    await run_until(
+        consumer_for(database_url, kafka_bootstrap, topic, group, second),
+        kafka_bootstrap,
+        group,
+        topic,
+        60,
+    )
+    assert applied_ids(engine, group) == [str(i) for i in range(60)]  # nothing twice
+    assert DUPLICATES.labels(group, "redis")._value.get() - before_redis == 60
+    assert DUPLICATES.labels(group, "db")._value.get() == before_db
+    assert second.reads >= 1
+
+
+async def test_copies_in_the_stream_are_caught_and_then_read_the_hints(
+    database_url: str,
+    engine: Engine,
+    kafka_bootstrap: str,
+    new_topic: Any,
+    redis_client: Redis,
+    redis_prefix: str,
+) -> None:
+    """A relay that sent a batch twice: the first copy is caught by the database (no hint
+    was read, the records continued in order), and the batches after it read the hints."""
+    metadata.create_all(engine)
+    topic = await new_topic.acreate("inbox-copies", partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    events = [order_event(topic, str(i)) for i in range(30)]
+    store = CountingStore(redis_client, redis_prefix)
+    consumer = consumer_for(database_url, kafka_bootstrap, topic, group, store)
+    task = asyncio.create_task(consumer.run())
+    try:
+        await produce(kafka_bootstrap, topic, events)
+
+        async def first_pass() -> bool:
+            return await committed(kafka_bootstrap, group, topic) == 30
+
+        await poll(first_pass, "offset 30 committed")
+        await asyncio.sleep(0.2)  # the background hints of the last batch
+        reads_before = store.reads
+        before_redis = DUPLICATES.labels(group, "redis")._value.get()
+        before_db = DUPLICATES.labels(group, "db")._value.get()
+        await produce(kafka_bootstrap, topic, events)  # every event again, in order
+
+        async def second_pass() -> bool:
+            return await committed(kafka_bootstrap, group, topic) == 60
+
+        await poll(second_pass, "offset 60 committed")
+    finally:
+        consumer.stop()
+        await asyncio.wait_for(task, 60)
+    assert applied_ids(engine, group) == [str(i) for i in range(30)]
+    by_redis = DUPLICATES.labels(group, "redis")._value.get() - before_redis
+    by_db = DUPLICATES.labels(group, "db")._value.get() - before_db
+    assert by_redis + by_db == 30
+    assert by_db >= 1  # the first copies: found by the database's claim
+    # batches of at most 10: the ones after the first duplicate read the hints
+    assert by_redis >= 1 and store.reads > reads_before
