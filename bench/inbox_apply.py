@@ -29,7 +29,11 @@ pair. The consumer process's CPU time per event is reported too: on a shared mac
 steadier than wall time.
 
 Keys read by ``python -m bench``: ``inbox_vs_plain_ratio`` (batched vs batched, target >= 0.9),
-``inbox_events_per_s``, ``plain_consumer_events_per_s``.
+``inbox_redis_overhead_us_per_event`` (the consumer framework's overhead as users run it, with
+Redis and the default batching: CPU per event minus the plain consumer's with the same batching,
+target <= 150), ``inbox_unbatched_overhead_us_per_event`` and
+``inbox_redis_unbatched_overhead_us_per_event`` (one record per transaction, shown without a
+target), ``inbox_events_per_s``, ``plain_consumer_events_per_s``.
 
 Run: ``python -m bench inbox_apply`` (services up; ``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS``,
 ``REDIS_URL`` set). ``BENCH_INBOX_RECORDS`` (default 5000), ``BENCH_INBOX_ROUNDS`` (default 3).
@@ -70,6 +74,15 @@ PAIRS = {
         "plain_unbatched",
         "inbox_redis_unbatched_vs_plain_unbatched_ratio",
     ),
+}
+
+
+#: inbox variant -> key of its framework overhead (CPU us per event over its plain pair).
+OVERHEAD_KEYS = {
+    "inbox": "inbox_overhead_us_per_event",
+    "inbox_unbatched": "inbox_unbatched_overhead_us_per_event",
+    "inbox_redis": "inbox_redis_overhead_us_per_event",
+    "inbox_redis_unbatched": "inbox_redis_unbatched_overhead_us_per_event",
 }
 
 
@@ -270,6 +283,13 @@ async def _main() -> dict[str, Any]:
         result[f"{inbox_name}_events_per_s"] = RECORDS / median(seconds[inbox_name])
         ratios = [p / i for p, i in zip(seconds[plain_name], seconds[inbox_name], strict=True)]
         result[key] = median(ratios)
+        # The framework's overhead: the consumer process's CPU per event minus the plain
+        # consumer's of the same transaction structure, per round (side by side), median.
+        extra = [
+            1e6 * (i - p) / RECORDS
+            for p, i in zip(cpu_s[plain_name], cpu_s[inbox_name], strict=True)
+        ]
+        result[OVERHEAD_KEYS[inbox_name]] = median(extra)
     return result
 
 
