@@ -136,6 +136,9 @@ class LaneDeps:
         Told the size of each claim of :meth:`Lane.run` (the lane scaler).
     health : RelayHealth
         Told when the lane's database calls fail and work again (part ``"claims"``).
+    on_idle : Callable[[], None]
+        Called when the lane starts waiting for a wake-up (nothing claimed): the listener
+        then reads the notifications that came meanwhile (:mod:`ledgerbox.relay._wakeup`).
     cursors : CursorBook
         The reading positions of the relay's shards (shared by the lanes).
     clock : Callable[[], float]
@@ -151,6 +154,7 @@ class LaneDeps:
     hooks: RelayHooks
     on_claimed: Callable[[int], None]
     health: RelayHealth
+    on_idle: Callable[[], None] = lambda: None
     cursors: CursorBook = field(default_factory=CursorBook)
     clock: Callable[[], float] = time.monotonic
 
@@ -250,6 +254,7 @@ class Lane:
             deps.on_claimed(claimed)
             if claimed or deps.regroup.is_set() or deps.stop.is_set():
                 continue
+            deps.on_idle()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), deps.config.poll_interval_s)
         if not deps.stop.is_set():

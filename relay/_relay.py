@@ -163,9 +163,14 @@ class Relay:
                 stop=self._stop,
             )
         )
+        self._idle = asyncio.Event()
         self._wakeup = WakeUp(
             WakeUpDeps(
-                store=self._listen_store, wake_all=self._wake_all, backoff=backoff, stop=self._stop
+                store=self._listen_store,
+                wake_all=self._wake_all,
+                backoff=backoff,
+                stop=self._stop,
+                idle=self._idle,
             )
         )
         # Adaptive lanes (run()): ``_active`` lanes run, shards split by ``shard % _active``.
@@ -183,6 +188,7 @@ class Relay:
             hooks=hooks,
             on_claimed=self._observe_claim,
             health=self._health,
+            on_idle=self._idle.set,
             cursors=CursorBook(),
             clock=clock,
         )

@@ -4,10 +4,20 @@ The write path's trigger sends at most one ``NOTIFY`` per transaction, at commit
 listener wakes every lane; lanes also poll every ``poll_interval_s``, so a lost notification
 (or a dropped ``LISTEN`` connection, reconnected with backoff) only delays a batch
 (docs/relay.md, "Wake-up").
+
+After a wake-up the listener stops reading until a lane waits for the next one (or
+:data:`READ_PAUSE_MAX_S` passed): a lane that is claiming or publishing reads what committed
+meanwhile with its next claim anyway, and the notifications that arrive meanwhile wait in the
+socket and are then read together, in one read. At 1,000 commits/s that is one read per
+batch instead of one per commit (each costs a system call and a wake-up of the event loop:
+docs/performance.md). The pause is bounded so that the server's notification queue never
+backs up behind a relay that is never idle.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +28,10 @@ from ledgerbox.relay._errors import StoreError
 from ledgerbox.relay._stop import StopSignal
 from ledgerbox.relay._store import RelayStore
 
-__all__ = ["WakeUp", "WakeUpDeps"]
+__all__ = ["READ_PAUSE_MAX_S", "WakeUp", "WakeUpDeps"]
+
+#: Longest pause of the listener between a wake-up and its next read, in seconds.
+READ_PAUSE_MAX_S = 0.1
 
 log = logging.getLogger("ledgerbox.relay")
 
@@ -36,12 +49,17 @@ class WakeUpDeps:
     backoff : Backoff
         Pause before listening again after the connection dropped.
     stop : StopSignal
+    idle : asyncio.Event | None
+        Set by a lane that starts waiting for a wake-up (``LaneDeps.on_idle``); the listener
+        clears it after each wake-up and reads again once it is set (module docstring).
+        ``None``: read every notification at once.
     """
 
     store: RelayStore
     wake_all: Callable[[], None]
     backoff: Backoff
     stop: StopSignal
+    idle: asyncio.Event | None = None
 
 
 class WakeUp:
@@ -55,6 +73,15 @@ class WakeUp:
     def __init__(self, deps: WakeUpDeps) -> None:
         self._deps = deps
 
+    async def _until_wanted(self) -> None:
+        # Every lane was just woken: none waits for a notification until one goes idle.
+        idle = self._deps.idle
+        if idle is None:
+            return
+        idle.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(idle.wait(), READ_PAUSE_MAX_S)
+
     async def run(self) -> None:
         """Until stopped (cancelled by the relay); never raises on database errors (logged,
         counted as ``retries_total{stage="listen"}``)."""
@@ -67,6 +94,7 @@ class WakeUp:
                 async for _ in deps.store.notifications():
                     attempt = 0
                     deps.wake_all()
+                    await self._until_wanted()
             except StoreError as exc:
                 attempt += 1
                 m.RETRIES.labels(stage="listen").inc()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import random
 
 from sqlalchemy import Engine, text
 
@@ -113,6 +114,40 @@ async def test_notify_wakes_an_idle_relay(
         rs.stage(engine, writer, [rs.event(writer, "wake", 1)])
         records = await rs.consume(kafka_bootstrap, topic, until=lambda r: len(r) >= 1, within_s=20)
         assert records[0].key == b"wake"
+    finally:
+        relay.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 30)
+
+
+async def test_a_stream_of_commits_is_published_without_polling(
+    engine: Engine, database_url: str, kafka_bootstrap: str, new_topic: TopicFactory
+) -> None:
+    """The listener pauses its reads while the lanes are busy (relay._wakeup): no wake-up
+    may be lost. With polling every 60 s, commits arriving one by one while batches are in
+    flight must all go out on notifications alone."""
+    rs.reset_relay_tables(engine)
+    topic = await new_topic.acreate("relay-stream", partitions=3)
+    writer = rs.writer_for(topic)
+    relay = Relay(rs.config(database_url, kafka_bootstrap, poll_interval_s=60.0))
+    task = asyncio.create_task(relay.run())
+    try:
+
+        async def with_shards() -> bool:
+            return len(relay.owned_shards()) == 64
+
+        await _until(with_shards, 20)
+        rng = random.Random(7)
+        for i in range(150):  # one transaction per event, gaps from 0 to 4 ms
+            await asyncio.to_thread(rs.stage, engine, writer, [rs.event(writer, f"k{i % 7}", i)])
+            await asyncio.sleep(rng.choice([0, 0, 0.001, 0.004]))
+        await asyncio.sleep(1.5)  # the relay goes idle between the last commits
+        rs.stage(engine, writer, [rs.event(writer, "last", 1)])
+        records = await rs.consume(
+            kafka_bootstrap, topic, until=lambda r: len(r) >= 151, within_s=30
+        )
+        assert len(records) == 151
+        assert {r.key for r in records} >= {b"last"}
     finally:
         relay.stop()
         with contextlib.suppress(Exception):
