@@ -202,13 +202,7 @@ class BatchPipeline:
             for record, outcome in zip(records, outcomes, strict=True):
                 await deps.hooks.after_commit(record, outcome)
         if deps.hints is not None:
-            # Not for dead-lettered events: a "done" hint would hide their replay. Not for
-            # the ids Redis already knew (their key is set).
-            deps.hints.add(
-                [
-                    events[k].event_id
-                    for k, _e, _r in todo
-                    if outcomes[k] is not DEAD and events[k].event_id not in done
-                ]
-            )
+            # Not for dead-lettered events: a "done" hint would hide their replay. (The ids
+            # Redis already knew are not in ``todo``: their key is set.)
+            deps.hints.add([event.event_id for k, event, _r in todo if outcomes[k] is not DEAD])
         return outcomes

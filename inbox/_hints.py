@@ -14,7 +14,8 @@ Two parts:
   per batch is saved and nothing else changes.
 - :class:`DoneHintWriter` writes the "done" keys of committed events in the background: a
   batch hands its event ids over after its database commit and goes on; one task sends
-  everything handed over meanwhile in one pipeline, at most one at a time. A hint lost to a
+  everything handed over meanwhile in one Redis call (``DedupStore.mark_done_many``), at
+  most one call in flight. A hint lost to a
   crash, a full buffer or a Redis outage costs a duplicate's database check, never
   correctness: the database decides (G6).
 """
