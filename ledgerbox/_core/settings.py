@@ -9,13 +9,15 @@ and ``ledgerbox migrate``: setting ``field_name`` of command ``<command>`` has
   one wins.
 
 Precedence: the flag, then the prefixed variable, then the well-known one, then a deprecated
-name, then the default. An empty variable counts as unset. A renamed setting keeps its old
-names for one release: using one prints ONE line to stderr (``ledgerbox: OLD is deprecated,
-use NEW``) and emits a :class:`DeprecationWarning`. An invalid setting exits with code 2 and
-ONE line that names the setting, its flag and every variable that sets it, e.g.
-``ledgerbox relay: batch_size must be in 1..100000 (got 0); set --batch-size or
-LEDGERBOX_RELAY_BATCH_SIZE``. The value of a secret setting (a URL with a password) is never
-printed.
+name, then the default. Exception: a :attr:`Setting.command_line` setting (and a name a command
+lists in ``command_line``) is read from its flag only, never from a variable: the selection and
+the actor of an operator command are what the operator typed. An empty variable counts as
+unset. A renamed setting keeps its old names for one release: using one prints ONE line to
+stderr (``ledgerbox: OLD is deprecated, use NEW``) and emits a :class:`DeprecationWarning`. An
+invalid setting exits with code 2 and ONE line that names the setting, its flag and every
+variable that sets it, e.g. ``ledgerbox relay: batch_size must be in 1..100000 (got 0); set
+--batch-size or LEDGERBOX_RELAY_BATCH_SIZE``. The value of a secret setting (a URL with a
+password) is never printed.
 
 The settings of a config dataclass are derived from it (:func:`settings_from_dataclass`: its
 fields, types, defaults and numpydoc ``Parameters``), and typer options are generated from
