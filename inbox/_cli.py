@@ -123,6 +123,7 @@ CONSUMER_SETTINGS = CommandSettings(
             "dlq_topic",
             str,
             help="dlq: the dead-letter topic to read (<source topic>.dlq by default)",
+            command_line=True,
         ),
         Setting("group", str, help="dlq: only records of this consumer group; lag: the group"),
         Setting("topic", str, help="lag: these topics (comma-separated; unset: the group's own)"),

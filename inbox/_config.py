@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from ledgerbox._core.backoff import Backoff
+from ledgerbox._core.database_url import check_database_url
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import sql_identifier
 from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
@@ -126,7 +127,10 @@ class ConsumerConfig:
     Raises
     ------
     ledgerbox.ConfigurationError
-        On an invalid value.
+        On an invalid value; among them a ``database_url`` that can never connect (not
+        PostgreSQL, libpq cannot parse it, a port outside 1..65535): refused here, not
+        retried, while a database server that is down is waited for
+        (:mod:`ledgerbox._core.database_url`).
     """
 
     group_id: str
@@ -170,6 +174,7 @@ class ConsumerConfig:
             raise ConfigurationError("group_id must not be empty")
         remember_url(self.database_url)
         remember_url(self.redis_url)
+        check_database_url(self.database_url)  # one that can never connect: not waited for
         object.__setattr__(self, "_kafka", resolve_kafka(self.kafka, self.kafka_bootstrap_servers))
         if self.redis_ssl_cafile is not None:
             if self.redis_url is None or not self.redis_url.startswith("rediss://"):

@@ -24,7 +24,7 @@ from ledgerbox._core.faults import Fault
 from ledgerbox._core.kafka import KafkaSettings
 from ledgerbox._core.kafka_clients import admin_client, consumer_client
 
-__all__ = ["Lag", "group_lag"]
+__all__ = ["Lag", "group_lag", "group_names"]
 
 #: A fresh cluster has no group coordinator until its offsets topic exists (created at the
 #: first group request): the lookup is retried for up to this long, in seconds.
@@ -98,6 +98,26 @@ async def group_lag(
         Lag(tp.topic, tp.partition, committed.get((tp.topic, tp.partition)), low[tp], high[tp])
         for tp in sorted(tps, key=lambda t: (t.topic, t.partition))
     ]
+
+
+async def group_names(kafka: KafkaSettings) -> list[str]:
+    """The consumer groups the brokers know (any state, sorted): what to offer an operator
+    who named a group that committed nothing.
+
+    Raises
+    ------
+    ledgerbox.BrokerError
+        Kafka unreachable or not authorized (DescribeGroup/ListGroups).
+    """
+    admin = admin_client(kafka)
+    try:
+        await admin.start()
+        listed = await admin.list_consumer_groups()
+    except (KafkaError, OSError) as exc:
+        raise BrokerError.translate(exc, "listing the consumer groups") from exc
+    finally:
+        await admin.close()
+    return sorted({str(g[0]) for g in listed})
 
 
 async def _group_offsets(admin: AIOKafkaAdminClient, group: str) -> dict[TopicPartition, Any]:

@@ -13,7 +13,8 @@ One naming scheme for every command (docs/configuration.md): setting ``field_nam
 ``ledgerbox <command>`` has the flag ``--field-name`` and the environment variable
 ``LEDGERBOX_<COMMAND>_FIELD_NAME`` (connection URLs also ``DATABASE_URL``,
 ``KAFKA_BOOTSTRAP_SERVERS``, ``REDIS_URL``); ``check`` commands report health in their exit
-code.
+code. The operator commands' selection flags and ``--actor`` are read from the command line
+only (:attr:`ledgerbox._core.settings.Setting.command_line`).
 """
 
 from __future__ import annotations

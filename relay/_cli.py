@@ -12,22 +12,30 @@ without them and scrubbed (:func:`ledgerbox._core.redaction.scrub`). Renamed: th
 schema variable was ``LEDGERBOX_RELAY_DB_SCHEMA``, ``on_dead_letter`` was ``on_dead``
 (``LEDGERBOX_RELAY_ON_DEAD``, ``--on-dead``); the old names work for one release, with a
 warning. The mechanism: :mod:`ledgerbox._core.settings`; the table: docs/configuration.md.
+A database URL that can never work is refused by :class:`RelayConfig` (exit 2 at once); a
+database that is down is waited for. ``status`` and ``rebase`` report a failed database call
+in one line ``ledgerbox relay <command>: <cause>: <fix>`` and exit 2; ``status --json``
+prints the fields of ``ledgerbox.admin.RelayStatus``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import json
 import logging
 import signal
 from collections.abc import Sequence
+from typing import Any
 
 import typer
 
 from ledgerbox._core import telemetry
+from ledgerbox._core.database_url import database_label, database_remedy
 from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
-from ledgerbox._core.errors import ConfigurationError, LedgerboxError
+from ledgerbox._core.errors import ConfigurationError, DatabaseError, LedgerboxError
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
-from ledgerbox._core.operator_settings import OPERATOR_FILTERS
+from ledgerbox._core.operator_settings import OPERATOR_FILTERS, OPERATOR_SWITCHES
 from ledgerbox._core.redaction import install_scrub_filter, scrub
 from ledgerbox._core.settings import (
     CommandSettings,
@@ -44,6 +52,7 @@ from ledgerbox.relay._policy import shard_ranges
 from ledgerbox.relay._publisher import KafkaPublisher
 from ledgerbox.relay._relay import Relay
 from ledgerbox.relay._status import UNUSED_KAFKA
+from ledgerbox.relay._store import HeldKeyRow, RelayStats
 
 __all__ = ["RELAY_SETTINGS", "app", "main"]
 
@@ -92,7 +101,7 @@ RELAY_SETTINGS = CommandSettings(
         ),
         # `ledgerbox relay dead list|show|replay|discard` (ledgerbox.admin; docs/operations.md)
         *OPERATOR_FILTERS,
-        Setting("topic", str, help="dead: only rows of this topic"),
+        Setting("topic", str, help="dead: only rows of this topic", command_line=True),
     ],
 )
 
@@ -196,55 +205,96 @@ async def _check(config: RelayConfig) -> CheckResult:
 
 
 @RELAY_SETTINGS.typer_command(
-    app, "status", ["database_url", "outbox_table", "schema", "shard_count"]
+    app,
+    "status",
+    ["database_url", "outbox_table", "schema", "shard_count"],
+    switches={"json": OPERATOR_SWITCHES["json"]},
 )
 def status(values: Values, ctx: typer.Context) -> None:
     """Pending count, oldest pending age, dead count, the shard owners and the held keys
-    (each key behind a dead-lettered event: which event, how many wait)."""
+    (each key behind a dead-lettered event: which event, how many wait). --json prints one
+    document, the fields of ledgerbox.admin.RelayStatus. A failure is one line on stderr
+    with the fix, exit 2."""
     config = _database_config(values)
 
-    async def read() -> None:
+    async def read() -> tuple[RelayStats, list[HeldKeyRow]]:
         store = pg_store_factory(config)("status")
         try:
-            stats = await store.stats(config.shard_count)
-            keys = await store.held_keys(_HELD_KEYS_SHOWN)
+            return await store.stats(config.shard_count), await store.held_keys(_HELD_KEYS_SHOWN)
         finally:
             await store.aclose()
-        age = stats.oldest_pending_age_s
-        typer.echo(f"pending: {stats.pending}")
-        typer.echo(f"oldest pending age s: {'-' if age is None else f'{age:.1f}'}")
-        typer.echo(f"dead-lettered: {stats.dead_lettered}")
-        if not stats.owners:
-            typer.echo("shards: no lease rows yet (no relay has started)")
-        owners: dict[str, list[int]] = {}
-        for shard, owner, _fence, live in stats.owners:
-            name = "leader" if shard < 0 else "shards"
-            label = f"{owner if (owner and live) else '(free)'}"
-            owners.setdefault(f"{label} {name}", []).append(shard)
-        for label, shards in sorted(owners.items()):
-            typer.echo(f"{label}: {_ranges(shards)}")
-        typer.echo(f"held: {stats.held}")
-        for held in keys:
-            typer.echo(
-                f"held key {held.key}: dead event {held.dead_id} ({held.dead_event_id}),"
-                f" {held.held} held behind it, since {held.since:%Y-%m-%dT%H:%M:%SZ}"
-                f" (`ledgerbox relay dead replay|discard {held.dead_id}`)"
-            )
-        if len(keys) == _HELD_KEYS_SHOWN:
-            typer.echo(
-                f"held keys: the first {_HELD_KEYS_SHOWN} shown (`ledgerbox relay dead list`)"
-            )
-        if stats.refused:
-            typer.echo(
-                f"refused shards: {_ranges([s for s, _ in stats.refused])}: {stats.refused[0][1]}"
-                " (run `ledgerbox relay rebase`)"
-            )
 
     try:
-        asyncio.run(read())
+        stats, keys = asyncio.run(read())
     except LedgerboxError as exc:
-        typer.echo(scrub(f"status failed: {exc}"), err=True)
-        raise typer.Exit(1) from None
+        raise _failed("status", config, exc) from None
+    if values["json"]:
+        typer.echo(json.dumps(_status_json(stats, keys), indent=2, sort_keys=True))
+        return
+    age = stats.oldest_pending_age_s
+    typer.echo(f"pending: {stats.pending}")
+    typer.echo(f"oldest pending age s: {'-' if age is None else f'{age:.1f}'}")
+    typer.echo(f"dead-lettered: {stats.dead_lettered}")
+    if not stats.owners:
+        typer.echo("shards: no lease rows yet (no relay has started)")
+    owners: dict[str, list[int]] = {}
+    for shard, owner, _fence, live in stats.owners:
+        name = "leader" if shard < 0 else "shards"
+        label = f"{owner if (owner and live) else '(free)'}"
+        owners.setdefault(f"{label} {name}", []).append(shard)
+    for label, shards in sorted(owners.items()):
+        typer.echo(f"{label}: {_ranges(shards)}")
+    typer.echo(f"held: {stats.held}")
+    for held in keys:
+        typer.echo(
+            f"held key {held.key}: dead event {held.dead_id} ({held.dead_event_id}),"
+            f" {held.held} held behind it, since {held.since:%Y-%m-%dT%H:%M:%SZ}"
+            f" (`ledgerbox relay dead replay|discard {held.dead_id}`)"
+        )
+    if len(keys) == _HELD_KEYS_SHOWN:
+        typer.echo(f"held keys: the first {_HELD_KEYS_SHOWN} shown (`ledgerbox relay dead list`)")
+    if stats.refused:
+        typer.echo(
+            f"refused shards: {_ranges([s for s, _ in stats.refused])}: {stats.refused[0][1]}"
+            " (run `ledgerbox relay rebase`)"
+        )
+
+
+def _status_json(stats: RelayStats, keys: list[HeldKeyRow]) -> dict[str, Any]:
+    """``relay status --json``: the fields and JSON forms of ``ledgerbox.admin.RelayStatus``
+    (``to_json()``: datetimes ISO 8601 UTC), built here so the relay's CLI stays without
+    SQLAlchemy."""
+    return {
+        "pending": stats.pending,
+        "oldest_pending_age_s": stats.oldest_pending_age_s,
+        "dead_lettered": stats.dead_lettered,
+        "held": stats.held,
+        "owners": [
+            {"shard": s, "owner": o, "fence": f, "live": live} for s, o, f, live in stats.owners
+        ],
+        "refused": [[s, why] for s, why in stats.refused],
+        "held_keys": [
+            {
+                "key": k.key,
+                "dead_id": k.dead_id,
+                "dead_event_id": k.dead_event_id,
+                "dead_count": k.dead_count,
+                "held": k.held,
+                "since": k.since.astimezone(dt.UTC).isoformat(),
+            }
+            for k in keys
+        ],
+    }
+
+
+def _failed(command: str, config: RelayConfig, exc: LedgerboxError) -> typer.Exit:
+    """``ledgerbox relay <command>: <cause>: <fix>`` on stderr (one line, scrubbed); exit 2,
+    like every expected failure of an operator command."""
+    line = str(exc)
+    if isinstance(exc, DatabaseError):
+        line = database_remedy(exc, database_label(config.database_url))
+    typer.echo(scrub(f"ledgerbox relay {command}: {line}"), err=True)
+    return typer.Exit(2)
 
 
 @RELAY_SETTINGS.typer_command(
@@ -294,8 +344,7 @@ def rebase(values: Values, ctx: typer.Context) -> None:
     try:
         code = asyncio.run(go())
     except LedgerboxError as exc:
-        typer.echo(f"rebase failed: {exc}", err=True)
-        raise typer.Exit(1) from exc
+        raise _failed("rebase", config, exc) from None
     raise typer.Exit(code)
 
 

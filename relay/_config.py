@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ledgerbox._core.database_url import check_database_url, libpq_url
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import sql_identifier
 from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
@@ -101,7 +102,9 @@ class RelayConfig:
     ------
     ledgerbox.ConfigurationError
         If a value is out of range or a name is not a SQL identifier; its ``setting`` names
-        the field.
+        the field. A ``database_url`` that can never connect (not PostgreSQL, libpq cannot
+        parse it, a port outside 1..65535) is refused here, not retried; a database server
+        that is down is waited for (:mod:`ledgerbox._core.database_url`).
     """
 
     # repr=False: a config in a log line or a traceback must not show the URL's password.
@@ -134,6 +137,7 @@ class RelayConfig:
     def __post_init__(self) -> None:
         _check(bool(self.database_url), "database_url", "must not be empty")
         remember_url(self.database_url)
+        check_database_url(self.database_url)  # one that can never connect: not waited for
         object.__setattr__(self, "_kafka", resolve_kafka(self.kafka, self.kafka_bootstrap_servers))
         _identifier(self.outbox_table, "outbox_table", "outbox table name")
         if self.schema is not None:
@@ -186,8 +190,7 @@ class RelayConfig:
     @property
     def libpq_url(self) -> str:
         """``database_url`` without SQLAlchemy's ``+driver`` suffix, for psycopg."""
-        scheme, sep, rest = self.database_url.partition("://")
-        return f"{scheme.split('+', 1)[0]}{sep}{rest}"
+        return libpq_url(self.database_url)
 
 
 def _check(ok: bool, setting: str, rule: str) -> None:

@@ -324,13 +324,7 @@ class Lane:
         try:
             after_send = (lambda: self._start_prefetch(lanes)) if pipelined else None
             sendable = [e for e in events if not e.held]
-            span = start_batch_span(sendable)
-            try:
-                confirmed, dead, failure = await self._publish(sendable, after_send)
-            except BaseException as exc:
-                end_batch_span(span, confirmed=0, dead_lettered=0, failure=exc)
-                raise
-            end_batch_span(span, confirmed=len(confirmed), dead_lettered=len(dead), failure=failure)
+            confirmed, dead, failure = await self._publish(sendable, after_send)
             if confirmed:
                 oldest_ms = min(e.occurred_at_ms for e in confirmed)
                 m.EVENT_AGE_AT_PUBLISH.observe(max(0.0, time.time() - oldest_ms / 1000))
@@ -614,7 +608,6 @@ class Lane:
         rejected: set[str] = set()
         dead: _Dead = []
         sendable: list[tuple[ClaimedEvent, OutboundRecord]] = []
-        failure: BaseException | None = None
         for event in events:
             if held_behind_dead_letter(on_dead_letter, event.partition_key, rejected):
                 continue
@@ -626,6 +619,29 @@ class Lane:
                 rejected.add(event.partition_key)
                 continue
             sendable.append((event, record))
+        # The batch's span covers the records handed to Kafka: none (every one held or
+        # refused before sending) is no send, and no span.
+        span = start_batch_span([e for e, _ in sendable])
+        try:
+            outcome = await self._send(sendable, dead, rejected, after_send)
+        except BaseException as exc:
+            end_batch_span(span, confirmed=0, dead_lettered=0, failure=exc)
+            raise
+        confirmed, dead, failure = outcome
+        end_batch_span(span, confirmed=len(confirmed), dead_lettered=len(dead), failure=failure)
+        return outcome
+
+    async def _send(
+        self,
+        sendable: list[tuple[ClaimedEvent, OutboundRecord]],
+        dead: _Dead,
+        rejected: set[str],
+        after_send: Callable[[], None] | None,
+    ) -> _Outcome:
+        """Send the prechecked records, call ``after_send``, await them (the suspects of a
+        rejected record batch sent alone). Returns (confirmed, dead with reason, error)."""
+        producer = self._deps.producer
+        failure: BaseException | None = None
         try:
             futures = await producer.send_many([r for _, r in sendable])
         except Exception as exc:

@@ -1,4 +1,6 @@
-"""The relay's span: ONE ``send`` span per published batch, linked to each event's producer span.
+"""The relay's span: ONE ``send`` span per batch that sends records, linked to each event's
+producer span (a batch whose events were all held or refused before sending sends nothing,
+and gets no span).
 
 The relay publishes tens of thousands of events per second: a span per event would cost more
 than the publish. Per batch, when an SDK is configured (:func:`ledgerbox._core.tracing.tracer`),
@@ -23,8 +25,9 @@ __all__ = ["end_batch_span", "start_batch_span"]
 
 
 def start_batch_span(events: Sequence[ClaimedEvent]) -> Span | None:
-    """Start the ``send`` span of a batch about to be sent, or ``None`` (spans off, or an
-    empty batch). The caller ends it with :func:`end_batch_span`."""
+    """Start the ``send`` span of the records about to be handed to Kafka (``events``: only
+    those; not the held ones nor those refused before sending), or ``None`` (spans off, or
+    nothing to send). The caller ends it with :func:`end_batch_span`."""
     if not events:
         return None
     found = tracer()

@@ -9,13 +9,15 @@ and ``ledgerbox migrate``: setting ``field_name`` of command ``<command>`` has
   one wins.
 
 Precedence: the flag, then the prefixed variable, then the well-known one, then a deprecated
-name, then the default. An empty variable counts as unset. A renamed setting keeps its old
-names for one release: using one prints ONE line to stderr (``ledgerbox: OLD is deprecated,
-use NEW``) and emits a :class:`DeprecationWarning`. An invalid setting exits with code 2 and
-ONE line that names the setting, its flag and every variable that sets it, e.g.
-``ledgerbox relay: batch_size must be in 1..100000 (got 0); set --batch-size or
-LEDGERBOX_RELAY_BATCH_SIZE``. The value of a secret setting (a URL with a password) is never
-printed.
+name, then the default. Exception: a :attr:`Setting.command_line` setting (and a name a command
+lists in ``command_line``) is read from its flag only, never from a variable: the selection and
+the actor of an operator command are what the operator typed. An empty variable counts as
+unset. A renamed setting keeps its old names for one release: using one prints ONE line to
+stderr (``ledgerbox: OLD is deprecated, use NEW``) and emits a :class:`DeprecationWarning`. An
+invalid setting exits with code 2 and ONE line that names the setting, its flag and every
+variable that sets it, e.g. ``ledgerbox relay: batch_size must be in 1..100000 (got 0); set
+--batch-size or LEDGERBOX_RELAY_BATCH_SIZE``. The value of a secret setting (a URL with a
+password) is never printed.
 
 The settings of a config dataclass are derived from it (:func:`settings_from_dataclass`: its
 fields, types, defaults and numpydoc ``Parameters``), and typer options are generated from
@@ -102,6 +104,10 @@ class Setting:
         Name used in "no <label>" (default: the name).
     old_env, old_flags : tuple[str, ...]
         Deprecated names that still work for one release.
+    command_line : bool
+        Read from its flag only, never from the environment: what an operator command acts
+        on (its selection filters, its actor) must be what the operator typed, not a
+        variable left in a shell (docs/operations.md).
     """
 
     name: str
@@ -116,6 +122,7 @@ class Setting:
     label: str = ""
     old_env: tuple[str, ...] = ()
     old_flags: tuple[str, ...] = ()
+    command_line: bool = False
 
     @property
     def flag(self) -> str:
@@ -193,7 +200,10 @@ class CommandSettings:
         return self.prefix + name.upper()
 
     def env_names(self, name: str) -> tuple[str, ...]:
-        """Every current variable of setting ``name``, in precedence order."""
+        """Every current variable of setting ``name``, in precedence order (none for a
+        :attr:`Setting.command_line` one)."""
+        if self.settings[name].command_line:
+            return ()
         return (self.env(name), *self.settings[name].well_known)
 
     def where(self, name: str) -> str:
@@ -207,9 +217,16 @@ class CommandSettings:
 
     # -- reading -------------------------------------------------------------------------
 
-    def resolve(self, names: Sequence[str], flags: Mapping[str, str | None]) -> Values:
+    def resolve(
+        self,
+        names: Sequence[str],
+        flags: Mapping[str, str | None],
+        command_line: Sequence[str] = (),
+    ) -> Values:
         """The typed values of ``names`` from ``flags`` (given on the command line; ``None``:
         not given, keys of deprecated flags included) and the environment, defaults applied.
+        The names in ``command_line`` (and every :attr:`Setting.command_line` setting) come
+        from ``flags`` only: their variables are not read.
 
         Raises
         ------
@@ -225,10 +242,15 @@ class CommandSettings:
                     warn_deprecated(old, s.flag)
                     if given.get(name) is None:
                         given[name] = value
+            if name in command_line:
+                continue
             for old in s.old_env:
-                if os.environ.get(old):
+                if os.environ.get(old) and not s.command_line:
                     warn_deprecated(old, self.env(name))
-        from_env = self._read(names, None)
+        from_env = self._read(
+            [n for n in names if n not in command_line and not self.settings[n].command_line],
+            None,
+        )
         from_flags = self._read(names, {n: v for n, v in given.items() if v is not None})
         values: Values = {}
         for name in names:
@@ -265,6 +287,8 @@ class CommandSettings:
         return {name: getattr(parsed, _FIELD + name) for name in names}
 
     def _all_env(self, name: str) -> tuple[str, ...]:
+        if self.settings[name].command_line:
+            return ()
         return (*self.env_names(name), *self.settings[name].old_env)
 
     # -- errors ----------------------------------------------------------------------------
@@ -292,8 +316,9 @@ class CommandSettings:
 
     # -- typer -----------------------------------------------------------------------------
 
-    def option_help(self, name: str) -> str:
-        """``--help`` text: the help line, unit, choices, default and variables."""
+    def option_help(self, name: str, *, command_line: bool = False) -> str:
+        """``--help`` text: the help line, unit, choices, default and variables (``command
+        line only`` for a setting this command reads from its flag only)."""
         s = self.settings[name]
         parts = [s.help.rstrip(".")] if s.help else []
         if s.unit:
@@ -302,7 +327,8 @@ class CommandSettings:
             parts.append("one of " + "|".join(s.choices))
         if s.default is not None and not s.secret:
             parts.append(f"default: {s.default}")
-        parts.append("env: " + ", ".join(self.env_names(name)))
+        env = self.env_names(name)
+        parts.append("command line only" if command_line or not env else "env: " + ", ".join(env))
         return "; ".join(parts)
 
     def typer_command(
@@ -313,6 +339,7 @@ class CommandSettings:
         *,
         switches: Mapping[str, str] | None = None,
         arguments: Mapping[str, str] | None = None,
+        command_line: Sequence[str] = (),
     ) -> Callable[[Callable[[Values, typer.Context], None]], Callable[..., None]]:
         """Register ``body(values, ctx)`` as ``app``'s sub-command ``command_name`` with one
         option per setting in ``names`` (plus hidden deprecated flags). ``values`` are the
@@ -327,8 +354,14 @@ class CommandSettings:
         ``arguments``: name -> help of positional arguments of this command only (row ids,
         record references), each taking any number of values; ``values[name]`` is a list of
         strings (empty when none is given).
+
+        ``command_line``: settings of ``names`` this command reads from their flags only,
+        never from the environment (the selection and the actor of an operator command: it
+        acts only on what the operator typed); other commands may still read their
+        variables.
         """
         switches = dict(switches or {})
+        command_line = tuple(command_line)
         arguments = dict(arguments or {})
 
         def decorate(body: Callable[[Values, typer.Context], None]) -> Callable[..., None]:
@@ -336,7 +369,7 @@ class CommandSettings:
                 flags: dict[str, Any] = {n: bool(given.pop(n, False)) for n in switches}
                 flags.update({n: list(given.pop(n, None) or ()) for n in arguments})
                 try:
-                    values = self.resolve(names, given)
+                    values = self.resolve(names, given, command_line)
                 except SettingsError as exc:
                     self.fail(exc)
                 body({**values, **flags}, ctx)
@@ -361,7 +394,7 @@ class CommandSettings:
                 s = self.settings[name]
                 option = typer.Option(
                     s.flag,
-                    help=self.option_help(name),
+                    help=self.option_help(name, command_line=name in command_line),
                     show_default=False,
                     metavar="|".join(s.choices) or _METAVARS[s.type],
                 )

@@ -4,7 +4,8 @@ dlq ...``, ``ledgerbox consumer lag``) and the console call exactly these functi
 
 Every function is ``async``, opens its own connections and closes them before it returns.
 Every replay and discard (dry runs too, flagged) writes one audit row and one INFO log line
-on logger ``ledgerbox.admin``. The guide: docs/operations.md.
+on logger ``ledgerbox.admin``; one whose filter selects nothing raises
+:class:`NotFoundError` and writes none (nothing was done). The guide: docs/operations.md.
 """
 
 from __future__ import annotations

@@ -7,8 +7,12 @@ The settings are the consumer's (:data:`ledgerbox.inbox._cli.CONSUMER_SETTINGS`:
 ``--inbox-table``) and the selection flags (``--dlq-topic``, ``--group``, ``--key``,
 ``--event-type``, ``--older-than-s``, ``--error``, ``--limit``, ``--actor``). ``--json``
 prints one JSON document; ``--dry-run`` changes nothing (an audit row is written, flagged);
-``--all`` lists records already replayed or discarded too. An expected failure prints ONE
-line on stderr and exits 2.
+``--all`` lists records already replayed or discarded too. The selection flags (``--group``
+and ``--topic`` included) and ``--actor`` are read from the command line only;
+``--all-matching`` needs a filter besides ``--dlq-topic``; a selection that matches nothing is
+refused without an audit row; ``lag`` of a group that committed nothing anywhere is refused
+(it names the groups the brokers know). An expected failure prints ONE line on stderr, the
+cause and the fix, and exits 2.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from ledgerbox.inbox._cli import CONSUMER_SETTINGS
 from ledgerbox.inbox._cli import app as consumer_app
 
 if TYPE_CHECKING:
-    from ledgerbox.admin._types import ActionResult, Database, DlqFilter
+    from ledgerbox.admin._types import ActionResult, Database, DlqFilter, PartitionLag
 
 __all__ = ["consumer_app", "dlq_app"]
 
@@ -43,6 +47,8 @@ consumer_app.add_typer(dlq_app, name="dlq")
 _CONNECTION = ["database_url", "kafka_bootstrap_servers", *KAFKA_SETTING_NAMES]
 _DB = [*_CONNECTION, "schema", "inbox_table"]
 _FILTERS = ["dlq_topic", "group", "key", "event_type", "older_than_s", "error", "limit"]
+#: Also used by `consumer check` / `purge` (which read their variables): here, flags only.
+_TYPED = ["group", "topic", "older_than_s"]
 _LIST_SWITCHES = {
     "json": OPERATOR_SWITCHES["json"],
     "all": "Also records already replayed or discarded",
@@ -74,8 +80,8 @@ def _fail(command: str, exc: BaseException) -> typer.Exit:
     return fail(f"ledgerbox consumer {command}", exc)
 
 
-def _run(command: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    return run(f"ledgerbox consumer {command}", make)
+def _run(command: str, make: Callable[[], Coroutine[Any, Any, T]], db: Database | None = None) -> T:
+    return run(f"ledgerbox consumer {command}", make, db)
 
 
 def _database(command: str, values: Values) -> Database:
@@ -105,7 +111,9 @@ def _filter(command: str, values: Values, *, include_done: bool = False) -> DlqF
         raise _fail(command, exc) from None
 
 
-@CONSUMER_SETTINGS.typer_command(dlq_app, "list", [*_DB, *_FILTERS], switches=_LIST_SWITCHES)
+@CONSUMER_SETTINGS.typer_command(
+    dlq_app, "list", [*_DB, *_FILTERS], switches=_LIST_SWITCHES, command_line=_TYPED
+)
 def list_command(values: Values, ctx: typer.Context) -> None:
     """List the records of a dead-letter topic (partition, offset order) with their group
     and error; replayed and discarded ones only with --all."""
@@ -113,7 +121,7 @@ def list_command(values: Values, ctx: typer.Context) -> None:
 
     selection = _filter("dlq list", values, include_done=values["all"])
     kafka, db = _kafka("dlq list", values), _database("dlq list", values)
-    found = _run("dlq list", lambda: admin.list_dlq_records(kafka, db, selection))
+    found = _run("dlq list", lambda: admin.list_dlq_records(kafka, db, selection), db)
     if values["json"]:
         print_json([r.to_json() for r in found])
         return
@@ -153,7 +161,7 @@ def show_command(values: Values, ctx: typer.Context) -> None:
     if len(values["refs"]) != 1:
         raise _fail("dlq show", InvalidFilterError("give exactly one record reference"))
     kafka, db = _kafka("dlq show", values), _database("dlq show", values)
-    record = _run("dlq show", lambda: admin.show_dlq_record(kafka, db, values["refs"][0]))
+    record = _run("dlq show", lambda: admin.show_dlq_record(kafka, db, values["refs"][0]), db)
     if values["json"]:
         print_json(record.to_json())
         return
@@ -184,6 +192,15 @@ def _act(command: str, values: Values) -> None:
                 "--older-than-s, --error, --limit) for every record the filters select"
             ),
         )
+    if not refs and not narrowed:
+        raise _fail(
+            name,
+            InvalidFilterError(
+                "--all-matching without a filter would select every record of the "
+                "dead-letter topic: narrow it with --group, --key, --event-type, "
+                "--older-than-s or --error (every one, deliberately: --older-than-s 0)"
+            ),
+        )
     selection = None if refs else _filter(name, values)
     kafka, db = _kafka(name, values), _database(name, values)
     log_actions()
@@ -193,6 +210,7 @@ def _act(command: str, values: Values) -> None:
         lambda: function(
             kafka, db, refs, filter=selection, actor=values["actor"], dry_run=values["dry_run"]
         ),
+        db,
     )
     if values["json"]:
         print_json(result.to_json())
@@ -220,6 +238,7 @@ def _summary(command: str, result: ActionResult) -> str:
     [*_DB, *_FILTERS, "actor"],
     switches=_ACT_SWITCHES,
     arguments={"refs": "Record references <dlq topic>:<partition>:<offset>"},
+    command_line=_TYPED,
 )
 def replay_command(values: Values, ctx: typer.Context) -> None:
     """Replay dead-letter records for the group that dead-lettered each: its inbox row is
@@ -234,6 +253,7 @@ def replay_command(values: Values, ctx: typer.Context) -> None:
     [*_DB, *_FILTERS, "actor"],
     switches=_ACT_SWITCHES,
     arguments={"refs": "Record references <dlq topic>:<partition>:<offset>"},
+    command_line=_TYPED,
 )
 def discard_command(values: Values, ctx: typer.Context) -> None:
     """Discard dead-letter records (recorded: hidden from lists, never replayed; the events
@@ -246,6 +266,7 @@ def discard_command(values: Values, ctx: typer.Context) -> None:
     "lag",
     [*_CONNECTION[1:], "group", "topic"],
     switches={"json": OPERATOR_SWITCHES["json"]},
+    command_line=_TYPED,
 )
 def lag_command(values: Values, ctx: typer.Context) -> None:
     """Lag of a consumer group per partition: committed offset, high watermark, records
@@ -257,14 +278,18 @@ def lag_command(values: Values, ctx: typer.Context) -> None:
         raise _fail("lag", InvalidFilterError("no consumer group: set --group"))
     kafka = _kafka("lag", values)
     topics = [t.strip() for t in (values["topic"] or "").split(",") if t.strip()] or None
-    found = _run("lag", lambda: admin.consumer_lag(kafka, values["group"], topics))
+
+    async def read() -> list[PartitionLag]:
+        from ledgerbox.admin._lag import no_offsets_error
+
+        found = await admin.consumer_lag(kafka, values["group"], topics)
+        if not found and not topics:  # a misspelt group: say so, exit 2 (docs/operations.md)
+            raise await no_offsets_error(kafka, values["group"])
+        return found
+
+    found = _run("lag", read)
     if values["json"]:
         print_json([p.to_json() for p in found])
-        return
-    if not found:
-        typer.echo(
-            f"group {values['group']} has committed no offsets (give its topics with --topic)"
-        )
         return
     rows = [["topic", "partition", "committed", "high watermark", "lag"]]
     for p in found:

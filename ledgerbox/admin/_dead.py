@@ -243,7 +243,8 @@ async def replay_dead_events(
     ledgerbox.admin.InvalidFilterError
         Both or neither of ``ids`` and ``filter``.
     ledgerbox.admin.NotFoundError
-        An id is not a dead-lettered row; nothing was changed, no audit row written.
+        An id is not a dead-lettered row, or ``filter`` selects none; nothing was changed,
+        no audit row written.
     ledgerbox.DatabaseError
         A database call failed. The audit table is checked first (missing: migration 0003
         not applied; or no INSERT privilege): then nothing is changed. Each row is replayed
@@ -303,6 +304,13 @@ async def _act(
                 raise _not_found(missing[0])
         else:
             rows = await store.dead_lettered(_query(filter))
+            if not rows:
+                # Nothing to do is not an action: no audit row (docs/operations.md).
+                raise NotFoundError(
+                    "no dead-lettered event matches the filters "
+                    f"{_shown(filter)}: nothing changed, nothing audited; `ledgerbox relay "
+                    "dead list` with the same filters shows what they select"
+                )
         try:
             if not dry_run:
                 for row in rows:  # id order: per key, the earlier dead row first
@@ -339,6 +347,11 @@ async def _act(
     )
     log_action(result, filters)
     return result
+
+
+def _shown(filter: DeadFilter) -> str:
+    given = {k: v for k, v in filter.to_json().items() if v is not None and k != "limit"}
+    return " ".join(f"{k}={v!r}" for k, v in sorted(given.items())) or "(none)"
 
 
 def _not_found(row_id: int) -> NotFoundError:

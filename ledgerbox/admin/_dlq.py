@@ -318,6 +318,19 @@ async def _select(
                     chosen.append((decoded, record))
                     if len(chosen) >= filter.limit:
                         break
+            if not chosen:
+                # Nothing to do is not an action: no audit row (docs/operations.md).
+                given = {
+                    k: v
+                    for k, v in filter.to_json().items()
+                    if v is not None and k not in ("limit", "include_done")
+                }
+                raise NotFoundError(
+                    f"no dead-letter record matches the filters "
+                    f"{' '.join(f'{k}={v!r}' for k, v in sorted(given.items()))}: nothing "
+                    "changed, nothing audited; `ledgerbox consumer dlq list` with the same "
+                    "filters shows what they select"
+                )
             return chosen, filter.to_json()
         parsed = [parse_ref(r) for r in refs]
         by_topic: dict[str, list[tuple[int, int]]] = {}
@@ -371,7 +384,8 @@ async def replay_dlq_records(
     ledgerbox.admin.InvalidFilterError
         Both or neither of ``refs`` and ``filter``, or a malformed reference.
     ledgerbox.admin.NotFoundError
-        A referenced record does not exist; nothing changed.
+        A referenced record does not exist, or ``filter`` selects none; nothing changed, no
+        audit row written.
     ledgerbox.admin.RefusedError
         A record is discarded, names no consumer group (dead-lettered before the header
         existed), no source topic or no event id; nothing changed.

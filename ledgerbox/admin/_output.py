@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
-from ledgerbox._core.errors import ConfigurationError, LedgerboxError
+from ledgerbox._core.database_url import database_remedy
+from ledgerbox._core.errors import ConfigurationError, DatabaseError, LedgerboxError
 from ledgerbox._core.redaction import scrub
 from ledgerbox._core.settings import Values
 
@@ -33,19 +34,24 @@ __all__ = [
 T = TypeVar("T")
 
 
-def fail(command: str, exc: BaseException) -> typer.Exit:
+def fail(command: str, exc: BaseException | str) -> typer.Exit:
     """Print ``<command>: <exc>`` (passwords scrubbed) as ONE line on stderr; the exit (2) to
     raise. ``command`` is the whole command, e.g. ``"ledgerbox relay dead replay"``."""
     typer.echo(scrub(f"{command}: {exc}"), err=True)
     return typer.Exit(2)
 
 
-def run(command: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+def run(command: str, make: Callable[[], Coroutine[Any, Any, T]], db: Database | None = None) -> T:
     """Run the coroutine; an expected failure (a LedgerboxError) is one line and exit 2
-    (the Kafka client's own log lines kept off stderr: :func:`quiet_kafka_client`)."""
+    (the Kafka client's own log lines kept off stderr: :func:`quiet_kafka_client`). A
+    failed call to ``db`` says what to do about it
+    (:func:`ledgerbox._core.database_url.database_remedy`: start the server at host:port,
+    run ``ledgerbox migrate``, ...)."""
     quiet_kafka_client()
     try:
         return asyncio.run(make())
+    except DatabaseError as exc:
+        raise fail(command, database_remedy(exc, db.label) if db else exc) from None
     except LedgerboxError as exc:
         raise fail(command, exc) from None
 

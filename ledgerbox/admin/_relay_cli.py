@@ -5,8 +5,12 @@ The settings are the relay's (:data:`ledgerbox.relay._cli.RELAY_SETTINGS`: ``--d
 / ``DATABASE_URL``, ``--schema``, ``--outbox-table``) and the shared selection flags
 (``--key``, ``--event-type``, ``--topic``, ``--older-than-s``, ``--error``, ``--limit``,
 ``--actor``; :mod:`ledgerbox._core.operator_settings`). ``--json`` prints one JSON document;
-``--dry-run`` changes nothing (an audit row is written, flagged). An expected failure (bad
-filter, unknown id, database unreachable) prints ONE line on stderr and exits 2.
+``--dry-run`` changes nothing (an audit row is written, flagged). The selection flags and
+``--actor`` are read from the command line only (never ``LEDGERBOX_RELAY_*``);
+``--all-matching`` needs at least one filter, and a selection that matches nothing is
+refused without an audit row. An expected failure (bad filter, unknown id, database
+unreachable, operator tables missing) prints ONE line on stderr, the cause and the fix
+(:func:`ledgerbox._core.database_url.database_remedy`), and exits 2.
 
 This module imports only the relay's CLI and the settings: the operator API (SQLAlchemy) is
 imported when a ``dead`` command runs, so ``ledgerbox relay run`` stays light.
@@ -51,8 +55,8 @@ def _fail(command: str, exc: BaseException) -> typer.Exit:
     return fail(f"ledgerbox relay dead {command}", exc)
 
 
-def _run(command: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    return run(f"ledgerbox relay dead {command}", make)
+def _run(command: str, make: Callable[[], Coroutine[Any, Any, T]], db: Database) -> T:
+    return run(f"ledgerbox relay dead {command}", make, db)
 
 
 def _database(command: str, values: Values) -> Database:
@@ -87,7 +91,7 @@ def list_command(values: Values, ctx: typer.Context) -> None:
     from ledgerbox import admin
 
     db, selection = _database("list", values), _filter("list", values)
-    found = _run("list", lambda: admin.list_dead_events(db, selection))
+    found = _run("list", lambda: admin.list_dead_events(db, selection), db)
     if values["json"]:
         _print_json([e.to_json() for e in found])
         return
@@ -124,7 +128,7 @@ def show_command(values: Values, ctx: typer.Context) -> None:
 
     row_id = _ids("show", values["ids"], exactly_one=True)[0]
     db = _database("show", values)
-    event = _run("show", lambda: admin.show_dead_event(db, row_id))
+    event = _run("show", lambda: admin.show_dead_event(db, row_id), db)
     if values["json"]:
         _print_json(event.to_json())
         return
@@ -167,6 +171,15 @@ def _act(command: str, values: Values) -> None:
                 "filters select"
             ),
         )
+    if not ids and not narrowed:
+        raise _fail(
+            command,
+            InvalidFilterError(
+                "--all-matching without a filter would select every dead-lettered event: "
+                "narrow it with --key, --event-type, --topic, --older-than-s or --error "
+                "(every one, deliberately: --older-than-s 0)"
+            ),
+        )
     selection = None if ids else _filter(command, values)
     log_actions()
     function = admin.replay_dead_events if command == "replay" else admin.discard_dead_events
@@ -175,6 +188,7 @@ def _act(command: str, values: Values) -> None:
         lambda: function(
             db, ids, filter=selection, actor=values["actor"], dry_run=values["dry_run"]
         ),
+        db,
     )
     if values["json"]:
         _print_json(result.to_json())

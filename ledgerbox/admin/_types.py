@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ledgerbox._core.database_url import check_database_url, database_label
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import sql_identifier
 from ledgerbox.admin._errors import InvalidFilterError
@@ -81,8 +82,9 @@ class Database:
     Raises
     ------
     ledgerbox.ConfigurationError
-        If ``url`` is not a PostgreSQL URL (``setting`` is ``"database_url"``; the message
-        never shows the URL, which may hold a password) or a name is not a SQL identifier.
+        If ``url`` is not a PostgreSQL URL or can never connect (libpq cannot parse it, a
+        port outside 1..65535; ``setting`` is ``"database_url"``; the message never shows
+        the URL, which may hold a password) or a name is not a SQL identifier.
     """
 
     url: str = field(repr=False)
@@ -100,13 +102,7 @@ class Database:
     @property
     def label(self) -> str:
         """``host:port/db`` for messages (never the password)."""
-        from sqlalchemy.engine import make_url
-
-        try:
-            url = make_url(self.url)
-        except Exception:  # a label must never fail
-            return "(database)"
-        return f"{url.host or 'localhost'}:{url.port or 5432}/{url.database or ''}"
+        return database_label(self.url)
 
 
 def _check_url(url: str) -> None:
@@ -126,6 +122,12 @@ def _check_url(url: str) -> None:
             "(--database-url or DATABASE_URL)",
             setting="database_url",
         )
+    try:
+        check_database_url(url)
+    except ConfigurationError as exc:
+        raise ConfigurationError(
+            f"{exc} (--database-url or DATABASE_URL)", setting="database_url"
+        ) from None
 
 
 def _check_common(limit: int, older_than_s: float | None) -> None:

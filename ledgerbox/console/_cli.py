@@ -11,7 +11,9 @@ to start without it (one line, exit 2).
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 
 import typer
 
@@ -180,6 +182,20 @@ def console(values: Values, ctx: typer.Context) -> None:
 
     from ledgerbox.console._app import create_app
 
+    # Bound before anything is logged: a port in use is the first and only line.
+    try:
+        sock = _bind(config.host, config.port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            why, fix = "the port is in use", "stop what holds it, or set another --port"
+        else:
+            why = exc.strerror or type(exc).__name__
+            fix = "set --host to an address of this machine (127.0.0.1: this machine only)"
+        typer.echo(
+            f"ledgerbox console: cannot listen on {config.host}:{config.port} ({why}): {fix}",
+            err=True,
+        )
+        raise typer.Exit(2) from None
     log = logging.getLogger("ledgerbox.console")
     log.info(
         "console on http://%s:%d/ for %s (token %s)",
@@ -198,15 +214,28 @@ def console(values: Values, ctx: typer.Context) -> None:
             server_header=False,
         )
     )
+    with sock:
+        server.run(sockets=[sock])
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (what uvicorn would bind, with
+    ``SO_REUSEADDR`` as it sets it), for :meth:`uvicorn.Server.run`.
+
+    Raises
+    ------
+    OSError
+        The port is in use (``EADDRINUSE``), the host is not an address of this machine,
+        or the name does not resolve.
+    """
+    family, kind, proto, _name, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
     try:
-        server.run()
-    except SystemExit:  # uvicorn exits (code 3) when it cannot bind; it logged why
-        if server.started:
-            raise
-    if not server.started:
-        typer.echo(
-            f"ledgerbox console: cannot listen on {config.host}:{config.port} (in use, or not "
-            "an address of this machine); set --host/--port",
-            err=True,
-        )
-        raise typer.Exit(2)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock

@@ -100,3 +100,20 @@ def test_a_port_in_use_is_one_line_and_exit_2() -> None:
     last = err.strip().splitlines()[-1]
     assert f"cannot listen on 127.0.0.1:{port}" in last, err
     assert "hunter2" not in err
+
+
+def test_a_port_in_use_is_the_first_and_only_line() -> None:
+    """Reviewer finding: the start-up lines ("console on ...", uvicorn's "Started server
+    process", "Application startup complete") were logged before the bind failed. The port
+    is bound before anything is logged: stderr is the one line, with the fix."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = console("--port", str(port))
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert err.strip().splitlines() == [
+        f"ledgerbox console: cannot listen on 127.0.0.1:{port} (the port is in use): stop what "
+        "holds it, or set another --port"
+    ], err

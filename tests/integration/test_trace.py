@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator, Sequence
 from typing import Any
 
 import opentelemetry.trace as ot
 import pytest
 import sqlalchemy as sa
+from aiokafka.errors import MessageSizeTooLargeError
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -23,10 +24,11 @@ from opentelemetry.trace import SpanKind
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from ledgerbox import admin
 from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer
 from ledgerbox.inbox._metrics import EVENT_LATENCY, LAG
 from ledgerbox.outbox import EventEnvelope
-from ledgerbox.relay import Relay
+from ledgerbox.relay import KafkaPublisher, OutboundRecord, PublishError, Relay
 from ledgerbox.relay._metrics import EVENT_AGE_AT_PUBLISH
 from tests import _relay_support as rs
 from tests._inbox_support import poll
@@ -160,3 +162,79 @@ def _histogram_count(histogram: Any) -> float:
             if sample.name.endswith("_count"):
                 return float(sample.value)
     raise AssertionError("no _count sample")
+
+
+class _RefusingKafka:
+    """The real :class:`KafkaPublisher`, except that while ``refuse`` is set its precheck
+    refuses records whose payload says ``"bad"`` for good (as a record above the producer's
+    ``max_request_size`` is refused before it is sent)."""
+
+    def __init__(self, inner: KafkaPublisher) -> None:
+        self.inner = inner
+        self.refuse = True
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def stop(self, *, abort: bool = False) -> None:
+        await self.inner.stop(abort=abort)
+
+    def precheck(self, record: OutboundRecord) -> PublishError | None:
+        if self.refuse and b'"bad"' in record.value:
+            return PublishError.translate(MessageSizeTooLargeError(), "send")
+        return self.inner.precheck(record)
+
+    async def send_many(self, records: Sequence[OutboundRecord]) -> list[Awaitable[Any]]:
+        return await self.inner.send_many(records)
+
+    async def check(self) -> None:
+        await self.inner.check()
+
+
+async def test_a_send_span_only_for_a_batch_that_sent_records(
+    exporter: InMemorySpanExporter,
+    engine: Engine,
+    database_url: str,
+    kafka_bootstrap: str,
+    new_topic: TopicFactory,
+) -> None:
+    """Reviewer finding: after an operator replay of an event Kafka still refuses, the relay
+    emitted a ``send`` span although nothing was handed to Kafka (the event refused before
+    sending, the one behind it held). A ``send`` span covers records sent, and counts them."""
+    rs.reset_relay_tables(engine)
+    topic = await new_topic.acreate("trace-dead", partitions=1)
+    writer = rs.writer_for(topic)
+    bad = rs.event(writer, "K", 1, payload={"key": "K", "seq": 1, "bad": True})
+    rs.stage(engine, writer, [bad, rs.event(writer, "K", 2)])
+    publisher = _RefusingKafka(KafkaPublisher(kafka_bootstrap, compression="none"))
+    relay = Relay(rs.config(database_url, kafka_bootstrap, lanes=1), publisher=publisher)
+    db = admin.Database(url=database_url)
+
+    def sends() -> list[ReadableSpan]:
+        return [s for s in exporter.get_finished_spans() if s.name.startswith("send")]
+
+    async def drain() -> None:
+        while await relay.run_once():
+            pass
+
+    try:
+        await drain()
+        (dead,) = await admin.list_dead_events(db, admin.DeadFilter(topic=topic))
+        assert dead.held_behind == 1
+        assert sends() == [], "nothing was sent: K1 refused before sending, K2 held behind it"
+        # The operator replays it while Kafka still refuses it: dead again, still no send.
+        await admin.replay_dead_events(db, [dead.id], actor="trace-test")
+        await drain()
+        (again,) = await admin.list_dead_events(db, admin.DeadFilter(topic=topic))
+        assert sends() == [], [dict(s.attributes or {}) for s in sends()]
+        # Fixed: the replay sends both, in one batch, and its span counts them.
+        publisher.refuse = False
+        await admin.replay_dead_events(db, [again.id], actor="trace-test")
+        await drain()
+    finally:
+        await relay.aclose()
+    (send,) = sends()
+    assert send.attributes is not None
+    assert send.attributes["messaging.batch.message_count"] == 2
+    assert send.attributes["ledgerbox.confirmed_count"] == 2
+    assert await admin.list_dead_events(db, admin.DeadFilter(topic=topic)) == []

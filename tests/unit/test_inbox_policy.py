@@ -163,7 +163,7 @@ def test_failsafe_04_config_takes_declared_types_and_refuses_overlaps() -> None:
     base = {
         "group_id": "g",
         "topics": ["a"],
-        "database_url": "x",
+        "database_url": "postgresql+psycopg://x/y",
         "kafka_bootstrap_servers": "k",
     }
     config = ConsumerConfig(
@@ -273,7 +273,7 @@ def test_config_defaults_and_validation() -> None:
         ConsumerConfig(
             group_id="g",
             topics=["a"],
-            database_url="x",
+            database_url="postgresql+psycopg://x/y",
             kafka_bootstrap_servers="k",
             inbox_table="Bad Name",
         )
@@ -288,7 +288,7 @@ def test_config_defaults_and_validation() -> None:
                 **{
                     "group_id": "g",
                     "topics": ["a"],
-                    "database_url": "x",
+                    "database_url": "postgresql+psycopg://x/y",
                     "kafka_bootstrap_servers": "k",
                     **bad,
                 }  # type: ignore[arg-type]
@@ -300,14 +300,14 @@ def test_failsafe_09_retention_shorter_than_redelivery_horizon_is_refused() -> N
         ConsumerConfig(
             group_id="g",
             topics=["a"],
-            database_url="x",
+            database_url="postgresql+psycopg://x/y",
             kafka_bootstrap_servers="k",
             retention_s=3600,
         )
     config = ConsumerConfig(
         group_id="g",
         topics=["a"],
-        database_url="x",
+        database_url="postgresql+psycopg://x/y",
         kafka_bootstrap_servers="k",
         retention_s=3600,
         offset_retention_s=1800,
@@ -317,14 +317,19 @@ def test_failsafe_09_retention_shorter_than_redelivery_horizon_is_refused() -> N
         ConsumerConfig(
             group_id="g",
             topics=["a"],
-            database_url="x",
+            database_url="postgresql+psycopg://x/y",
             kafka_bootstrap_servers="k",
             offset_retention_s=0,
         )
 
 
 def test_failsafe_05_on_unhandled_is_validated() -> None:
-    base = {"group_id": "g", "topics": ["a"], "database_url": "x", "kafka_bootstrap_servers": "k"}
+    base = {
+        "group_id": "g",
+        "topics": ["a"],
+        "database_url": "postgresql+psycopg://x/y",
+        "kafka_bootstrap_servers": "k",
+    }
     assert ConsumerConfig(**base).on_unhandled == "ignore"  # type: ignore[arg-type]
     for mode in ("ignore", "dead_letter", "fail"):
         assert ConsumerConfig(**base, on_unhandled=mode).on_unhandled == mode  # type: ignore[arg-type]

@@ -1,0 +1,78 @@
+"""The database URL check and the one-line remedies of :mod:`ledgerbox._core.database_url`
+(pure: no connection is made)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ledgerbox import ConfigurationError, DatabaseError
+from ledgerbox._core.database_url import check_database_url, database_label, database_remedy
+from ledgerbox._core.faults import Fault
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://u:p@127.0.0.1:5432/app",
+        "postgresql://u:p@db/app?sslmode=verify-full",
+        "postgres://u@h1:5432,h2:5433/app",
+        "postgresql://[::1]:5432/app",
+    ],
+)
+def test_urls_that_can_connect_pass(url: str) -> None:
+    check_database_url(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("nonsense", "is not a PostgreSQL URL"),
+        ("mysql://u:p@h/app", "is not a PostgreSQL URL"),
+        ("postgresql+psycopg://u:s3cret@127.0.0.1:99999/app", "not a TCP port"),
+        ("postgresql+psycopg://u:s3cret@127.0.0.1:0/app", "not a TCP port"),
+        ("postgresql://u:s3cret@h:abc/app", "not a TCP port"),
+        ("postgresql://u:s3cret@h/app?bogus=1", "does not parse as a PostgreSQL URL"),
+    ],
+)
+def test_urls_that_can_never_connect_are_refused_without_showing_them(
+    url: str, problem: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=problem) as info:
+        check_database_url(url)
+    assert info.value.setting == "database_url"
+    assert "s3cret" not in str(info.value)
+
+
+def test_label_names_host_port_and_database_never_the_password() -> None:
+    assert database_label("postgresql+psycopg://u:pw@db:6543/app") == "db:6543/app"
+    assert database_label("postgresql://u:pw@db/app") == "db:5432/app"
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "fix"),
+    [
+        (None, "start the server at db:5432, or fix the host/port of --database-url"),
+        ("08006", "start the server at db:5432"),
+        ("42P01", "run `ledgerbox migrate`"),
+        ("3D000", "create the database"),
+        ("42501", "GRANT"),
+    ],
+)
+def test_every_remedy_is_one_line_with_the_fix(sqlstate: str | None, fix: str) -> None:
+    exc = DatabaseError("read failed: X", fault=Fault.ENVIRONMENT, sqlstate=sqlstate)
+    line = database_remedy(exc, "db:5432/app")
+    assert fix in line and "read failed: X" in line and "\n" not in line
+
+
+def test_an_error_already_explained_by_its_seam_is_kept() -> None:
+    try:
+        try:
+            raise DatabaseError("x", fault=Fault.ENVIRONMENT, sqlstate="42P01")
+        except DatabaseError as inner:
+            raise DatabaseError(
+                "the audit table is missing: run `ledgerbox migrate`",
+                fault=Fault.ENVIRONMENT,
+                sqlstate="42P01",
+            ) from inner
+    except DatabaseError as outer:
+        assert database_remedy(outer, "db:5432/app") == str(outer)
