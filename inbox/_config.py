@@ -174,7 +174,7 @@ class ConsumerConfig:
             raise ConfigurationError("group_id must not be empty")
         remember_url(self.database_url)
         remember_url(self.redis_url)
-        check_database_url(self.database_url)  # one that can never connect: not waited for
+        check_database_url(self.database_url, reader="sqlalchemy")  # never connects: not waited for
         object.__setattr__(self, "_kafka", resolve_kafka(self.kafka, self.kafka_bootstrap_servers))
         if self.redis_ssl_cafile is not None:
             if self.redis_url is None or not self.redis_url.startswith("rediss://"):

@@ -14,6 +14,7 @@ the only import, made when a URL is checked.
 
 from __future__ import annotations
 
+from typing import Literal
 from urllib.parse import urlsplit
 
 from ledgerbox._core.errors import ConfigurationError, DatabaseError, LedgerboxError
@@ -32,7 +33,9 @@ def libpq_url(url: str) -> str:
     return f"{scheme.split('+', 1)[0]}{sep}{rest}"
 
 
-def check_database_url(url: str, setting: str = "database_url") -> None:
+def check_database_url(
+    url: str, setting: str = "database_url", *, reader: Literal["libpq", "sqlalchemy"] = "libpq"
+) -> None:
     """Refuse a database URL that can never connect.
 
     Parameters
@@ -42,12 +45,18 @@ def check_database_url(url: str, setting: str = "database_url") -> None:
         ``postgres://``), several hosts allowed (``h1:5432,h2:5433``).
     setting : str
         The setting named in the error (``ConfigurationError.setting``).
+    reader : {"libpq", "sqlalchemy"}
+        Who reads the URL: ``"libpq"`` (the relay hands it to libpq as a URI, whose rules are
+        strict: a space in a password must be written ``%20``) or ``"sqlalchemy"`` (the
+        consumers and the operator commands: SQLAlchemy splits it and hands the parts to
+        psycopg, so what SQLAlchemy accepts, e.g. a password with a space as
+        ``URL.render_as_string`` writes it, works).
 
     Raises
     ------
     ledgerbox.ConfigurationError
-        Not a PostgreSQL URL, libpq refuses its syntax (an unknown query parameter, a bad
-        percent-encoding), or a port is not an integer in 1..65535. The message never
+        Not a PostgreSQL URL, its reader refuses its syntax (an unknown query parameter, a
+        bad percent-encoding), or a port is not an integer in 1..65535. The message never
         shows the URL (it may hold a password).
     """
     scheme, sep, _rest = url.partition("://")
@@ -55,25 +64,60 @@ def check_database_url(url: str, setting: str = "database_url") -> None:
         raise ConfigurationError(
             f"{setting} is not a PostgreSQL URL: give {_FORM}", setting=setting
         )
-    plain = libpq_url(url)
-    from psycopg import Error as PsycopgError
-    from psycopg.conninfo import conninfo_to_dict
-
-    try:
-        parts = conninfo_to_dict(plain)
-    except PsycopgError:
-        raise ConfigurationError(
-            f"{setting} does not parse as a PostgreSQL URL (a misspelt query parameter or a "
-            f"bad %-escape?): give {_FORM}",
-            setting=setting,
-        ) from None
-    for port in str(parts.get("port") or "").split(","):
+    ports = (
+        _sqlalchemy_ports(url, setting) if reader == "sqlalchemy" else _libpq_ports(url, setting)
+    )
+    for port in ports:
         if port and not (port.isdigit() and 1 <= int(port) <= 65535):
             # The value is not shown: in a URL with an unencoded password it may be a part of it.
             raise ConfigurationError(
                 f"{setting} has a port that is not a TCP port (an integer in 1..65535)",
                 setting=setting,
             )
+
+
+def _unparsable(setting: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"{setting} does not parse as a PostgreSQL URL (a misspelt query parameter, a bad "
+        f"%-escape, a space not written %20?): give {_FORM}",
+        setting=setting,
+    )
+
+
+def _libpq_ports(url: str, setting: str) -> list[str]:
+    from psycopg import Error as PsycopgError
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        parts = conninfo_to_dict(libpq_url(url))
+    except PsycopgError:
+        raise _unparsable(setting) from None
+    return str(parts.get("port") or "").split(",")
+
+
+def _sqlalchemy_ports(url: str, setting: str) -> list[str]:
+    from psycopg import Error as PsycopgError
+    from psycopg.conninfo import make_conninfo
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+        port = parsed.port
+    except ValueError:  # SQLAlchemy's int() of a port that is not a number
+        return ["not-a-number"]
+    except ArgumentError:
+        raise _unparsable(setting) from None
+    # The query parameters go to libpq as connection options: one it does not know can never
+    # connect. (make_conninfo validates through libpq's parser.)
+    options = {
+        key: value if isinstance(value, str) else value[-1] for key, value in parsed.query.items()
+    }
+    try:
+        make_conninfo("", **options)
+    except PsycopgError:
+        raise _unparsable(setting) from None
+    return [] if port is None else [str(port)]
 
 
 def database_label(url: str) -> str:

@@ -123,7 +123,7 @@ def _check_url(url: str) -> None:
             setting="database_url",
         )
     try:
-        check_database_url(url)
+        check_database_url(url, reader="sqlalchemy")
     except ConfigurationError as exc:
         raise ConfigurationError(
             f"{exc} (--database-url or DATABASE_URL)", setting="database_url"

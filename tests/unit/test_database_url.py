@@ -23,6 +23,35 @@ def test_urls_that_can_connect_pass(url: str) -> None:
     check_database_url(url)
 
 
+# What SQLAlchemy's URL.render_as_string writes for a password with a space and a "?"
+# (tests/security/test_redaction.py plants such a password): SQLAlchemy parses it and hands the
+# parts to psycopg, so the consumers and the operator commands connect with it; libpq, which
+# the relay hands its URL to, refuses the raw space.
+SPACED = "postgresql+psycopg://u:Cdb%3Fx%3Apa ss@127.0.0.1:5432/app?sslmode=verify-full"
+
+
+def test_a_url_sqlalchemy_reads_is_judged_by_sqlalchemys_rules() -> None:
+    check_database_url(SPACED, reader="sqlalchemy")
+    with pytest.raises(ConfigurationError, match="a space not written %20"):
+        check_database_url(SPACED)  # the relay's reader: libpq
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("nonsense", "is not a PostgreSQL URL"),
+        ("mysql://u:p@h/app", "is not a PostgreSQL URL"),
+        ("postgresql+psycopg://u:s3cret@127.0.0.1:99999/app", "not a TCP port"),
+        ("postgresql+psycopg://u:s3cret@h:abc/app", "not a TCP port"),
+        ("postgresql+psycopg://u:s3cret@h/app?bogus=1", "does not parse as a PostgreSQL URL"),
+    ],
+)
+def test_urls_sqlalchemy_can_never_connect_with_are_refused(url: str, problem: str) -> None:
+    with pytest.raises(ConfigurationError, match=problem) as info:
+        check_database_url(url, reader="sqlalchemy")
+    assert "s3cret" not in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("url", "problem"),
     [
