@@ -8,18 +8,19 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.errors import MessageSizeTooLargeError
 from psycopg import sql
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter
-from ledgerbox.relay import RelayConfig
+from ledgerbox.relay import KafkaPublisher, OutboundRecord, PublishError, RelayConfig
 from ledgerbox.relay._pgstore import PENDING_COUNT
 from ledgerbox.relay._store import (
     Claim,
@@ -305,3 +306,30 @@ def header(record: ConsumerRecord[bytes, bytes], name: str) -> str:
         if key == name:
             return bytes(value).decode()
     raise KeyError(name)
+
+
+class RefusingKafka:
+    """The real :class:`KafkaPublisher`, except that while ``refuse`` is set its precheck
+    refuses records whose payload says ``"bad"`` for good, as a record above the producer's
+    ``max_request_size`` is refused before it is sent (tests of dead-lettering and replay)."""
+
+    def __init__(self, inner: KafkaPublisher) -> None:
+        self.inner = inner
+        self.refuse = True
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def stop(self, *, abort: bool = False) -> None:
+        await self.inner.stop(abort=abort)
+
+    def precheck(self, record: OutboundRecord) -> PublishError | None:
+        if self.refuse and b'"bad"' in record.value:
+            return PublishError.translate(MessageSizeTooLargeError(), "send")
+        return self.inner.precheck(record)
+
+    async def send_many(self, records: Sequence[OutboundRecord]) -> list[Awaitable[Any]]:
+        return await self.inner.send_many(records)
+
+    async def check(self) -> None:
+        await self.inner.check()

@@ -5,7 +5,9 @@ and every applied event's "done" key is written after its commit."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import sqlalchemy as sa
@@ -87,20 +89,22 @@ def applied_ids(engine: Engine, group: str) -> list[str]:
         )
 
 
-async def run_until(
-    consumer: InboxConsumer, bootstrap: str, group: str, topic: str, n: int
-) -> None:
+@contextlib.asynccontextmanager
+async def consuming(consumer: InboxConsumer) -> AsyncIterator[None]:
+    """Run ``consumer`` for the body; then stop it and wait (its close sends the hints)."""
     task = asyncio.create_task(consumer.run())
     try:
-
-        async def caught_up() -> bool:
-            assert not task.done() or task.result() is None
-            return await committed(bootstrap, group, topic) == n
-
-        await poll(caught_up, f"offset {n} committed")
+        yield
     finally:
         consumer.stop()
-        await asyncio.wait_for(task, 60)  # aclose: the waiting hints are sent
+        await asyncio.wait_for(task, 60)
+
+
+async def until_committed(bootstrap: str, group: str, topic: str, n: int) -> None:
+    async def caught_up() -> bool:
+        return await committed(bootstrap, group, topic) == n
+
+    await poll(caught_up, f"offset {n} committed")
 
 
 async def rewind(bootstrap: str, group: str, topic: str) -> None:
@@ -126,20 +130,11 @@ async def test_in_order_records_read_no_hint_and_a_redelivery_is_caught_by_them(
     group = f"g-{uuid.uuid4().hex[:8]}"
     events = [order_event(topic, str(i)) for i in range(60)]
     first = CountingStore(redis_client, redis_prefix)
-    consumer = consumer_for(database_url, kafka_bootstrap, topic, group, first)
-    task = asyncio.create_task(consumer.run())
-    try:
+    async with consuming(consumer_for(database_url, kafka_bootstrap, topic, group, first)):
         for start in range(0, 60, 6):  # several fetches, so several batches
             await produce(kafka_bootstrap, topic, events[start : start + 6])
             await asyncio.sleep(0.05)
-
-        async def caught_up() -> bool:
-            return await committed(kafka_bootstrap, group, topic) == 60
-
-        await poll(caught_up, "offset 60 committed")
-    finally:
-        consumer.stop()
-        await asyncio.wait_for(task, 60)
+        await until_committed(kafka_bootstrap, group, topic, 60)
     assert applied_ids(engine, group) == [str(i) for i in range(60)]
     assert PROCESSED.labels(group)._value.get() == 60
     # Only the partition's first batch (new to this consumer) asked Redis: the records
@@ -158,13 +153,8 @@ async def test_in_order_records_read_no_hint_and_a_redelivery_is_caught_by_them(
     before_redis = DUPLICATES.labels(group, "redis")._value.get()
     before_db = DUPLICATES.labels(group, "db")._value.get()
     second = CountingStore(redis_client, redis_prefix)
-    await run_until(
-        consumer_for(database_url, kafka_bootstrap, topic, group, second),
-        kafka_bootstrap,
-        group,
-        topic,
-        60,
-    )
+    async with consuming(consumer_for(database_url, kafka_bootstrap, topic, group, second)):
+        await until_committed(kafka_bootstrap, group, topic, 60)
     assert applied_ids(engine, group) == [str(i) for i in range(60)]  # nothing twice
     assert DUPLICATES.labels(group, "redis")._value.get() - before_redis == 60
     assert DUPLICATES.labels(group, "db")._value.get() == before_db
@@ -186,28 +176,15 @@ async def test_copies_in_the_stream_are_caught_and_then_read_the_hints(
     group = f"g-{uuid.uuid4().hex[:8]}"
     events = [order_event(topic, str(i)) for i in range(30)]
     store = CountingStore(redis_client, redis_prefix)
-    consumer = consumer_for(database_url, kafka_bootstrap, topic, group, store)
-    task = asyncio.create_task(consumer.run())
-    try:
+    async with consuming(consumer_for(database_url, kafka_bootstrap, topic, group, store)):
         await produce(kafka_bootstrap, topic, events)
-
-        async def first_pass() -> bool:
-            return await committed(kafka_bootstrap, group, topic) == 30
-
-        await poll(first_pass, "offset 30 committed")
+        await until_committed(kafka_bootstrap, group, topic, 30)
         await asyncio.sleep(0.2)  # the background hints of the last batch
         reads_before = store.reads
         before_redis = DUPLICATES.labels(group, "redis")._value.get()
         before_db = DUPLICATES.labels(group, "db")._value.get()
         await produce(kafka_bootstrap, topic, events)  # every event again, in order
-
-        async def second_pass() -> bool:
-            return await committed(kafka_bootstrap, group, topic) == 60
-
-        await poll(second_pass, "offset 60 committed")
-    finally:
-        consumer.stop()
-        await asyncio.wait_for(task, 60)
+        await until_committed(kafka_bootstrap, group, topic, 60)
     assert applied_ids(engine, group) == [str(i) for i in range(30)]
     by_redis = DUPLICATES.labels(group, "redis")._value.get() - before_redis
     by_db = DUPLICATES.labels(group, "db")._value.get() - before_db

@@ -12,20 +12,19 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from aiokafka.errors import MessageSizeTooLargeError
 from sqlalchemy import Engine, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ledgerbox import DatabaseError, admin
 from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
 from ledgerbox.outbox import EventEnvelope
-from ledgerbox.relay import KafkaPublisher, OutboundRecord, PublishError, Relay
+from ledgerbox.relay import KafkaPublisher, Relay
 from tests import _relay_support as rs
 from tests._inbox_support import produce
 
@@ -44,32 +43,6 @@ seen = sa.Table(
 @pytest.fixture(scope="module", autouse=True)
 def _tables(engine: Engine) -> None:
     metadata.create_all(engine)
-
-
-class RefusingKafka:
-    """The real :class:`KafkaPublisher`, except that while ``refuse`` is set it refuses
-    records whose payload says ``"bad"`` for good, as Kafka refuses a record too large."""
-
-    def __init__(self, inner: KafkaPublisher) -> None:
-        self.inner = inner
-        self.refuse = True
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    async def stop(self, *, abort: bool = False) -> None:
-        await self.inner.stop(abort=abort)
-
-    def precheck(self, record: OutboundRecord) -> PublishError | None:
-        if self.refuse and b'"bad"' in record.value:
-            return PublishError.translate(MessageSizeTooLargeError(), "send")
-        return self.inner.precheck(record)
-
-    async def send_many(self, records: Sequence[OutboundRecord]) -> list[Awaitable[Any]]:
-        return await self.inner.send_many(records)
-
-    async def check(self) -> None:
-        await self.inner.check()
 
 
 def _statuses(engine: Engine, topic: str, key: str) -> list[int]:
@@ -116,7 +89,7 @@ async def test_relay_dead_list_replay_discard_keep_order_and_event_ids(
         engine, writer, [rs.event(writer, "M", 1, payload={"key": "M", "seq": 1, "bad": True})]
     )
     rs.stage(engine, writer, [rs.event(writer, "M", 2)])
-    publisher = RefusingKafka(KafkaPublisher(kafka_bootstrap, compression="none"))
+    publisher = rs.RefusingKafka(KafkaPublisher(kafka_bootstrap, compression="none"))
     relay = Relay(rs.config(database_url, kafka_bootstrap, lanes=1), publisher=publisher)
     db = admin.Database(url=database_url)
     group = f"ops-dead-{uuid.uuid4().hex[:6]}"

@@ -7,6 +7,7 @@ import contextlib
 import datetime as dt
 import json
 import random
+from collections.abc import AsyncIterator
 
 from sqlalchemy import Engine, text
 
@@ -102,22 +103,11 @@ async def test_notify_wakes_an_idle_relay(
     topic = await new_topic.acreate("relay-notify", partitions=1)
     writer = rs.writer_for(topic)
     # Polling every 60 s: only NOTIFY can make the relay see the event within the deadline.
-    relay = Relay(rs.config(database_url, kafka_bootstrap, poll_interval_s=60.0))
-    task = asyncio.create_task(relay.run())
-    try:
-
-        async def idle_with_shards() -> bool:
-            return len(relay.owned_shards()) == 64
-
-        await _until(idle_with_shards, 20)
+    async with _polling_off_relay(database_url, kafka_bootstrap):
         await asyncio.sleep(0.5)  # let the main loop go idle (waiting on its 60 s poll)
         rs.stage(engine, writer, [rs.event(writer, "wake", 1)])
         records = await rs.consume(kafka_bootstrap, topic, until=lambda r: len(r) >= 1, within_s=20)
         assert records[0].key == b"wake"
-    finally:
-        relay.stop()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 30)
 
 
 async def test_a_stream_of_commits_is_published_without_polling(
@@ -129,14 +119,7 @@ async def test_a_stream_of_commits_is_published_without_polling(
     rs.reset_relay_tables(engine)
     topic = await new_topic.acreate("relay-stream", partitions=3)
     writer = rs.writer_for(topic)
-    relay = Relay(rs.config(database_url, kafka_bootstrap, poll_interval_s=60.0))
-    task = asyncio.create_task(relay.run())
-    try:
-
-        async def with_shards() -> bool:
-            return len(relay.owned_shards()) == 64
-
-        await _until(with_shards, 20)
+    async with _polling_off_relay(database_url, kafka_bootstrap):
         rng = random.Random(7)
         for i in range(150):  # one transaction per event, gaps from 0 to 4 ms
             await asyncio.to_thread(rs.stage, engine, writer, [rs.event(writer, f"k{i % 7}", i)])
@@ -148,6 +131,21 @@ async def test_a_stream_of_commits_is_published_without_polling(
         )
         assert len(records) == 151
         assert {r.key for r in records} >= {b"last"}
+
+
+@contextlib.asynccontextmanager
+async def _polling_off_relay(database_url: str, kafka_bootstrap: str) -> AsyncIterator[Relay]:
+    """A relay that polls every 60 s (only NOTIFY wakes it), running with all 64 shards for
+    the body; stopped afterwards."""
+    relay = Relay(rs.config(database_url, kafka_bootstrap, poll_interval_s=60.0))
+    task = asyncio.create_task(relay.run())
+    try:
+
+        async def with_shards() -> bool:
+            return len(relay.owned_shards()) == 64
+
+        await _until(with_shards, 20)
+        yield relay
     finally:
         relay.stop()
         with contextlib.suppress(Exception):

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import opentelemetry.trace as ot
 import pytest
 import sqlalchemy as sa
-from aiokafka.errors import MessageSizeTooLargeError
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -28,7 +27,7 @@ from ledgerbox import admin
 from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer
 from ledgerbox.inbox._metrics import EVENT_LATENCY, LAG
 from ledgerbox.outbox import EventEnvelope
-from ledgerbox.relay import KafkaPublisher, OutboundRecord, PublishError, Relay
+from ledgerbox.relay import KafkaPublisher, Relay
 from ledgerbox.relay._metrics import EVENT_AGE_AT_PUBLISH
 from tests import _relay_support as rs
 from tests._inbox_support import poll
@@ -164,33 +163,6 @@ def _histogram_count(histogram: Any) -> float:
     raise AssertionError("no _count sample")
 
 
-class _RefusingKafka:
-    """The real :class:`KafkaPublisher`, except that while ``refuse`` is set its precheck
-    refuses records whose payload says ``"bad"`` for good (as a record above the producer's
-    ``max_request_size`` is refused before it is sent)."""
-
-    def __init__(self, inner: KafkaPublisher) -> None:
-        self.inner = inner
-        self.refuse = True
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    async def stop(self, *, abort: bool = False) -> None:
-        await self.inner.stop(abort=abort)
-
-    def precheck(self, record: OutboundRecord) -> PublishError | None:
-        if self.refuse and b'"bad"' in record.value:
-            return PublishError.translate(MessageSizeTooLargeError(), "send")
-        return self.inner.precheck(record)
-
-    async def send_many(self, records: Sequence[OutboundRecord]) -> list[Awaitable[Any]]:
-        return await self.inner.send_many(records)
-
-    async def check(self) -> None:
-        await self.inner.check()
-
-
 async def test_a_send_span_only_for_a_batch_that_sent_records(
     exporter: InMemorySpanExporter,
     engine: Engine,
@@ -206,7 +178,7 @@ async def test_a_send_span_only_for_a_batch_that_sent_records(
     writer = rs.writer_for(topic)
     bad = rs.event(writer, "K", 1, payload={"key": "K", "seq": 1, "bad": True})
     rs.stage(engine, writer, [bad, rs.event(writer, "K", 2)])
-    publisher = _RefusingKafka(KafkaPublisher(kafka_bootstrap, compression="none"))
+    publisher = rs.RefusingKafka(KafkaPublisher(kafka_bootstrap, compression="none"))
     relay = Relay(rs.config(database_url, kafka_bootstrap, lanes=1), publisher=publisher)
     db = admin.Database(url=database_url)
 
