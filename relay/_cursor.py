@@ -119,6 +119,8 @@ def next_states(
     range_closed = range_rows < limit - page_rows
     ahead = set(claim.ahead)
     out: dict[int, ShardState] = {}
+    # Closed ranges close at the claim's snapshot: one cursor object for all of them.
+    at_snapshot = Cursor(lo=claim.snapshot)
     for read in reads:
         if read.shard in ahead:
             continue
@@ -129,7 +131,9 @@ def next_states(
             continue
         hi = cursor.hi or claim.snapshot
         if range_closed:
-            out[read.shard] = ShardState(state.fence, Cursor(lo=hi))
+            out[read.shard] = ShardState(
+                state.fence, at_snapshot if cursor.hi is None else Cursor(lo=hi)
+            )
         elif read.shard in last_id:
             out[read.shard] = ShardState(state.fence, Cursor(cursor.lo, hi, last_id[read.shard]))
         else:

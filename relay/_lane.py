@@ -20,7 +20,8 @@ Pipelining (``Lane.run``): a clean batch's cursors are queued and persisted in t
 background (own connection) while the next batch is claimed from the in-memory cursors and
 sent; at most one persist is in flight, a later one starts only after it, so they are applied
 in order, and under load at most one per ``PERSIST_EVERY_S`` (the batches in between are
-persisted together; at once when the lane goes idle, stops or regroups). The next batch
+persisted together; at once when the lane stops or regroups, and when it goes idle once
+``PERSIST_EVERY_S`` has passed unless a NOTIFY comes first). The next batch
 is also claimed while the current one awaits its delivery confirmations (prefetch), and
 handed to the producer only once the current one is confirmed in full; a batch with a
 failure or a dead-lettered row drops the prefetched claim (and its cursor moves). Claims
@@ -255,12 +256,31 @@ class Lane:
             if claimed or deps.regroup.is_set() or deps.stop.is_set():
                 continue
             deps.on_idle()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), deps.config.poll_interval_s)
+            await self._idle()
         if not deps.stop.is_set():
             # Regrouping: nothing of this lane may be in flight when its shards move (on stop,
             # Relay.aclose() does the same).
             await self.finish()
+
+    async def _idle(self) -> None:
+        """Wait for a NOTIFY (at most ``poll_interval_s``). Cursors still queued are persisted
+        once ``PERSIST_EVERY_S`` has passed since the last persist began, unless a NOTIFY
+        comes first (the next batch's persist then takes them along; an idle lane woken
+        again and again persists them once that time has passed). At 1,000 events/s a
+        lane goes idle after nearly every batch; persisting at once there was one persist
+        per batch again."""
+        deps = self._deps
+        if self._queued:
+            due_s = self._last_persist + PERSIST_EVERY_S - deps.clock()
+            if due_s > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), due_s)
+                if self.wake.is_set():
+                    # (A stop or a regroup ends the loop, whose finish persists them.)
+                    return
+            await self._flush_persist()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), deps.config.poll_interval_s)
 
     async def finish(self) -> None:
         """Drop the prefetched claim, persist what is queued and wait for it."""
@@ -306,13 +326,18 @@ class Lane:
             # group of lanes claims afresh anyway.
             batch = await self._claim(lanes)
         if not batch.events:
-            await self._flush_persist()
+            if not pipelined:
+                await self._flush_persist()
             return 0, 0
         # The claim may have been slow: publish only shards still held under the same fence;
         # the others are read again from their lease rows if they come back.
         leases = deps.leases
-        usable = {s for s in leases.usable() if leases.fence(s) == batch.fences.get(s)}
-        gone = {e.shard for e in batch.events} - usable
+        usable = set(leases.usable())
+        gone = {
+            s
+            for s in {e.shard for e in batch.events}
+            if s not in usable or leases.fence(s) != batch.fences.get(s)
+        }
         self._cursors.forget(gone)
         self._valid.difference_update(gone)
         events = [e for e in batch.events if e.shard in usable]
@@ -561,7 +586,7 @@ class Lane:
         """Start the background persist of the queued cursors unless one is running; under
         load at most one per ``PERSIST_EVERY_S`` (the batches in between are persisted
         together: a crash re-sends at most that much, with the same event ids), at once
-        when ``now`` (the lane goes idle, stops or regroups)."""
+        when ``now`` (the idle lane's deadline passed, it stops or regroups)."""
         if not self._queued or (self._persisting is not None and not self._persisting.done()):
             return
         clock = self._deps.clock()

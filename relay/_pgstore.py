@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, LiteralString
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 
 from ledgerbox._core.names import SCHEMA_VERSION_TABLE
 from ledgerbox.relay._config import RelayConfig
@@ -777,7 +777,7 @@ class PgRelayStore:
         conn = await self._connection()
         try:
             cur = await conn.execute(self._b(template, conn), params, binary=binary)
-            return await cur.fetchall() if cur.description is not None else []
+            return await cur.fetchall() if _has_rows(cur) else []
         except psycopg.Error as exc:
             await self._after_error()
             raise _translate(exc, what) from exc
@@ -809,7 +809,7 @@ class PgRelayStore:
         params: dict[str, Any],
     ) -> list[tuple[Any, ...]]:
         cur = await conn.execute(self._b(template, conn), params)
-        return await cur.fetchall() if cur.description is not None else []
+        return await cur.fetchall() if _has_rows(cur) else []
 
     async def _after_error(self) -> None:
         # A broken connection is dropped so that the next call reconnects.
@@ -1248,24 +1248,50 @@ _AHEAD = "cursor ahead of the database (transaction counter behind the cursor's 
 
 def claim_params(reads: Sequence[ShardRead], limit: int) -> dict[str, Any]:
     """The parameters of ``CLAIM_BATCH_HOLD`` / ``CLAIM_BATCH_SKIP`` for ``reads`` (pages of
-    listed ids first; the closed ranges share what is left of ``limit``)."""
-    pages = [r for r in reads if r.ids is not None]
-    ranges = [r for r in reads if r.ids is None]
-    page_ids = [i for r in pages for i in (r.ids or ())]
+    listed ids first; the closed ranges share what is left of ``limit``).
+
+    Built in one pass over ``reads`` (a claim names every shard of the lane, 64 by default,
+    ~140 times a second at 1,000 events/s): in the steady state every range is closed at the
+    same snapshot, so the arrays that repeat an earlier one reuse its text."""
+    all_shards: list[int] = []
+    all_top: list[str | None] = []
+    pshards: list[int] = []
+    plo: list[str | None] = []
+    phi: list[str | None] = []
+    page_ids: list[int] = []
+    shards: list[int] = []
+    lo: list[str | None] = []
+    hi: list[str | None] = []
+    after: list[int] = []
+    for read in reads:
+        cursor = read.cursor
+        all_shards.append(read.shard)
+        all_top.append(cursor.hi or cursor.lo)
+        if read.ids is not None:
+            pshards.append(read.shard)
+            plo.append(cursor.lo)
+            phi.append(cursor.hi)
+            page_ids.extend(read.ids)
+        else:
+            shards.append(read.shard)
+            lo.append(cursor.lo)
+            hi.append(cursor.hi)
+            after.append(cursor.after_id)
     room = limit - len(page_ids)
     if room <= 0:
-        ranges = []
+        shards, lo, hi, after = [], [], [], []
+    all_shards_text, all_top_text = _ints(all_shards), _snapshots(all_top)
     return {
-        "all_shards": _ints(r.shard for r in reads),
-        "all_top": _snapshots(r.cursor.hi or r.cursor.lo for r in reads),
-        "pshards": _ints(r.shard for r in pages),
-        "plo": _snapshots(r.cursor.lo for r in pages),
-        "phi": _snapshots(r.cursor.hi for r in pages),
+        "all_shards": all_shards_text,
+        "all_top": all_top_text,
+        "pshards": _ints(pshards),
+        "plo": _snapshots(plo),
+        "phi": _snapshots(phi),
         "pids": _ints(page_ids),
-        "shards": _ints(r.shard for r in ranges),
-        "lo": _snapshots(r.cursor.lo for r in ranges),
-        "hi": _snapshots(r.cursor.hi for r in ranges),
-        "after": _ints(r.cursor.after_id for r in ranges),
+        "shards": all_shards_text if shards == all_shards else _ints(shards),
+        "lo": all_top_text if lo == all_top else _snapshots(lo),
+        "hi": _snapshots(hi),
+        "after": _ints(after),
         "limit": max(room, 0),
     }
 
@@ -1278,7 +1304,7 @@ def _ints(values: Iterable[int]) -> str:
 
 def _snapshots(values: Iterable[str | None]) -> str:
     # A snapshot's text is digits, ':' and ',': safe inside double quotes.
-    return "{" + ",".join("NULL" if v is None else f'"{v}"' for v in values) + "}"
+    return "{" + ",".join(["NULL" if v is None else '"' + v + '"' for v in values]) + "}"
 
 
 def pg_store_factory(config: RelayConfig) -> StoreFactory:
@@ -1302,6 +1328,13 @@ def _event(row: tuple[Any, ...]) -> ClaimedEvent:
         row_id, shard, intern(topic), key, payload, headers, event_id, idem, intern(event_type),
         intern(source), intern(aggregate_type), aggregate_id, version, at_ms, at_iso, held,
     )  # fmt: skip
+
+
+def _has_rows(cur: psycopg.AsyncCursor[Any]) -> bool:
+    """The statement returned rows (a result set, possibly empty): what ``description is not
+    None`` says, without building a column object per column on every claim."""
+    result = cur.pgresult
+    return result is not None and (result.nfields > 0 or result.status == pq.ExecStatus.TUPLES_OK)
 
 
 def _shard_and_id(event: ClaimedEvent) -> tuple[int, int]:

@@ -511,3 +511,49 @@ async def test_failsafe_02_shards_are_released_when_kafka_stays_unreachable_past
         assert [r.key for r in publisher.records] == [key.encode()], "sent once Kafka is back"
     finally:
         await relay.aclose()
+
+
+async def test_a_lane_idle_after_every_batch_persists_once_per_interval_not_per_batch() -> None:
+    """At a moderate rate the lane goes idle after nearly every batch. Its cursors are
+    persisted once ``PERSIST_EVERY_S`` has passed since the last persist (a round trip each;
+    the clock here stands still, so only the final one passes), unless the next NOTIFY comes
+    first - not once per batch, as when an idle lane persisted at once."""
+    clock = Clock()
+    store, publisher = InMemoryRelayStore("r1", clock=clock), InMemoryPublisher()
+    persists = 0
+    real_persist = store.persist
+
+    async def counting(*args: Any, **kwargs: Any) -> dict[int, PersistOutcome]:
+        nonlocal persists
+        persists += 1
+        return await real_persist(*args, **kwargs)
+
+    store.persist = counting  # type: ignore[method-assign]
+    relay = Relay(
+        config(claim_linger_ms=0, poll_interval_s=60.0),
+        publisher=publisher,
+        store_factory=store.factory(),
+        clock=clock,
+    )
+    task = asyncio.create_task(relay.run())
+
+    async def until(check: Any) -> None:
+        for _ in range(2000):
+            if check():
+                return
+            await asyncio.sleep(0.001)
+        raise TimeoutError("condition not met")
+
+    try:
+        await until(lambda: len(relay.owned_shards()) == 64)
+        rows = []
+        for i in range(20):
+            rows.append(store.add(ev(f"k{i}", 1)))
+            await until(lambda: len(publisher.records) == len(rows))
+        during = persists
+        await until(lambda: all(store.is_published(r) for r in rows))
+    finally:
+        relay.stop()
+        await asyncio.wait_for(task, 10)
+    assert len(publisher.records) == 20
+    assert during <= 5, f"{during} persists for 20 batches published one after the other"
