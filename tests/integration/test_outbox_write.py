@@ -15,7 +15,7 @@ from pydantic import AwareDatetime, BaseModel
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from ledgerbox import migrations
 from ledgerbox.outbox import (
@@ -417,3 +417,81 @@ def test_stage_once_in_a_session_with_per_table_binds(
     assert (first.created, second.created, asyncio.run(run())) == (True, False, False)
     assert second.event.event_id == first.event.event_id
     assert _count(engine) == 1
+
+
+def test_session_staged_events_go_in_at_the_flush_as_one_core_insert(
+    engine: Engine, orders: sa.Table
+) -> None:
+    """Events staged in a Session are written at its flush by one INSERT per flush (not by
+    the unit of work: their row objects leave the session), in staging order, in the
+    session's transaction; a session with per-table binds routes them like the rows."""
+    statements: list[str] = []
+
+    def seen(conn: object, cursor: object, statement: str, *args: object) -> None:
+        if statement.lstrip().startswith("INSERT INTO outbox"):
+            statements.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", seen)
+    try:
+        with Session(engine) as session, session.begin():
+            session.execute(orders.insert().values(id=30, amount=Decimal("1.00")))
+            WRITER.stage_many(session, [_event(30), _event(31), _event(32)])
+            session.flush()
+            # One executemany of the table's INSERT: the unit of work would have sent its
+            # "insertmanyvalues" form, which returns the ids for its identity map.
+            assert len(statements) == 1 and "RETURNING" not in statements[0]
+            assert not session.new
+            in_tx = session.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one()
+            assert in_tx == 3 and _count(engine) == 0  # visible in the transaction only
+            WRITER.stage(session, _event(33))
+        with Session(binds={TABLE.table: engine}) as session, session.begin():
+            WRITER.stage(session, _event(34))
+        factory = sessionmaker(engine, class_=type("AppSession", (Session,), {}))
+        with factory.begin() as session:
+            WRITER.stage_many(session, [_event(35), _event(36)])
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", seen)
+    assert len(statements) == 4 and "RETURNING" not in statements[3]
+    with engine.connect() as conn:
+        ids = conn.execute(sa.text("SELECT aggregate_id FROM outbox ORDER BY id")).scalars().all()
+    assert ids == ["30", "31", "32", "33", "34", "35", "36"]
+
+
+def test_an_event_staged_in_a_savepoint_rolled_back_before_any_flush_is_not_written(
+    engine: Engine,
+) -> None:
+    with Session(engine) as session, session.begin():
+        WRITER.stage(session, _event(40))
+        nested = session.begin_nested()
+        WRITER.stage(session, _event(41))
+        nested.rollback()  # 41 was never flushed: the rollback takes it out of the session
+        WRITER.stage(session, _event(42))
+    with engine.connect() as conn:
+        ids = conn.execute(sa.text("SELECT aggregate_id FROM outbox ORDER BY id")).scalars().all()
+    assert ids == ["40", "42"]
+
+
+async def test_events_staged_by_the_callers_own_before_flush_listener_are_written(
+    async_engine: AsyncEngine, engine: Engine
+) -> None:
+    """A domain-events listener staging at flush time (after ledgerbox's own listener ran)
+    still gets its events written, through the unit of work; sync and async sessions."""
+
+    def stage_domain_event(session: Session, *_: object) -> None:
+        pending = session.info.pop("domain_events", [])
+        for n in pending:
+            WRITER.stage(session, _event(n))
+
+    with Session(engine) as session:
+        sa.event.listen(session, "before_flush", stage_domain_event)
+        with session.begin():
+            session.info["domain_events"] = [50]
+            WRITER.stage(session, _event(51))
+    async with AsyncSession(async_engine) as asession:
+        sa.event.listen(asession.sync_session, "before_flush", stage_domain_event)
+        async with asession.begin():
+            asession.info["domain_events"] = [52]
+            WRITER.stage(asession, _event(53))
+    with engine.connect() as conn:
+        ids = conn.execute(sa.text("SELECT aggregate_id FROM outbox ORDER BY id")).scalars().all()
+    assert sorted(ids) == ["50", "51", "52", "53"]
