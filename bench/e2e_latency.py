@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -141,7 +142,7 @@ def _spies(daemons: list[subprocess.Popen[bytes]], seconds: float) -> list[subpr
         spies.append(
             subprocess.Popen(
                 [
-                    "py-spy",
+                    shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")),
                     "record",
                     "-p",
                     str(daemon.pid),
