@@ -7,6 +7,7 @@ import datetime as dt
 import threading
 import uuid
 from decimal import Decimal
+from typing import Any
 
 import psycopg
 import pytest
@@ -357,10 +358,10 @@ def test_async_stage_once_reports_duplicates(async_engine: AsyncEngine, engine: 
     assert _count(engine) == 1
 
 
-def test_stage_once_stores_what_stage_stores_and_is_compiled_once(engine: Engine) -> None:
+def test_stage_once_stores_what_stage_stores_and_is_not_compiled_per_call(engine: Engine) -> None:
     """``stage_once`` binds every column like ``stage`` (JSON payload and headers, Decimal,
-    aware datetimes) and its statement is compiled once, not per call (it used to be
-    recompiled every time: SQLAlchemy has no cache key for ``on_conflict_do_nothing``)."""
+    aware datetimes) and its statement is not compiled per call (it used to be recompiled
+    every time: SQLAlchemy has no cache key for ``on_conflict_do_nothing``)."""
     from sqlalchemy.engine import default
 
     cache: list[object] = []
@@ -395,7 +396,8 @@ def test_stage_once_stores_what_stage_stores_and_is_compiled_once(engine: Engine
     finally:
         sa.event.remove(engine, "after_cursor_execute", seen)
     assert len(cache) == 3
-    assert cache[1:] == [default.CACHE_HIT, default.CACHE_HIT]
+    # psycopg runs the driver's own SQL (nothing compiled); another driver the cached text.
+    assert all(c in (default.CACHE_HIT, default.NO_CACHE_KEY) for c in cache[1:]), cache
 
 
 def test_stage_once_in_a_session_with_per_table_binds(
@@ -419,17 +421,21 @@ def test_stage_once_in_a_session_with_per_table_binds(
     assert _count(engine) == 1
 
 
-def test_session_staged_events_go_in_at_the_flush_as_one_core_insert(
+def test_session_staged_events_go_in_at_the_flush_as_one_driver_insert(
     engine: Engine, orders: sa.Table
 ) -> None:
     """Events staged in a Session are written at its flush by one INSERT per flush (not by
-    the unit of work: their row objects leave the session), in staging order, in the
-    session's transaction; a session with per-table binds routes them like the rows."""
+    the unit of work: their row objects leave the session; in psycopg's own SQL: nothing
+    compiled), in staging order, in the session's transaction; a session with per-table
+    binds routes them like the rows."""
     statements: list[str] = []
 
-    def seen(conn: object, cursor: object, statement: str, *args: object) -> None:
+    def seen(
+        conn: object, cursor: object, statement: str, params: object, context: Any, *_: object
+    ) -> None:
         if statement.lstrip().startswith("INSERT INTO outbox"):
             statements.append(statement)
+            assert context.compiled is None, "compiled by SQLAlchemy"
 
     sa.event.listen(engine, "before_cursor_execute", seen)
     try:

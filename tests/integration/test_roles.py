@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from ledgerbox.outbox import OutboxWriter, TopicRouter
+from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter
 from tests._roles import Roles, doc_roles, execute
 from tests._services import TopicFactory
 from tests.security import _support as s
@@ -167,13 +167,40 @@ def test_each_role_is_refused_what_it_does_not_need(
     assert isinstance(caught.value.orig, psycopg.errors.InsufficientPrivilege)
 
 
-def test_the_app_role_needs_select_for_the_returned_id(roles: Roles, database_url: str) -> None:
-    """Why the doc grants SELECT to the app role: the INSERT returns the row's id."""
+def test_the_app_role_needs_select_for_stage_once(roles: Roles, database_url: str) -> None:
+    """Why the doc grants SELECT to the app role: ``stage_once``'s INSERT returns the row's id
+    (and it reads a duplicate back). ``stage`` itself needs INSERT only: the flush writes the
+    row without RETURNING."""
     app = roles.names["app"]
     execute(database_url, f"REVOKE SELECT ON outbox FROM {app}")  # noqa: S608 (a generated name)
-    with pytest.raises(sa.exc.ProgrammingError) as caught:
-        _stage(roles.urls["app"], "t", [("OrderPlaced", "x")])
-    assert isinstance(caught.value.orig, psycopg.errors.InsufficientPrivilege)
+    writer = OutboxWriter(TopicRouter(default="t"), source="/roles-test")
+    engine = sa.create_engine(roles.urls["app"], poolclass=sa.pool.NullPool)
+
+    def event(order: str) -> EventEnvelope:
+        return writer.event(
+            event_type="NoSelectGrant",
+            aggregate_type="order",
+            aggregate_id=order,
+            payload={"order_id": order},
+            idempotency_key=f"{order}:no-select",
+        )
+
+    try:
+        with Session(engine) as session, session.begin():
+            writer.stage(session, event("ns-1"))
+        with (
+            pytest.raises(sa.exc.ProgrammingError) as caught,
+            Session(engine) as session,
+            session.begin(),
+        ):
+            writer.stage_once(session, event("ns-2"))
+        assert isinstance(caught.value.orig, psycopg.errors.InsufficientPrivilege)
+    finally:
+        engine.dispose()
+    assert (
+        _count(database_url, "SELECT count(*) FROM outbox WHERE event_type = 'NoSelectGrant'") == 1
+    )
+    execute(database_url, "DELETE FROM outbox WHERE event_type = 'NoSelectGrant'")
 
 
 def test_the_relay_role_cannot_insert_events(roles: Roles) -> None:
