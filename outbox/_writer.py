@@ -441,8 +441,8 @@ def _listen_for_flushes() -> None:
 
 
 def _insert_staged(session: Session, flush_context: object, instances: object) -> None:
-    """``before_flush``: write the events staged in ``session`` with one Core INSERT per
-    outbox table, in staging order, and take their row objects out of the session.
+    """``before_flush``: write the events staged in ``session`` with one INSERT per outbox
+    table, in staging order, and take their row objects out of the session.
 
     The rows still go in at the flush, as ``session.add`` promises (an explicit flush,
     autoflush, or the commit's flush), in the session's transaction (G1). The unit of work
@@ -450,18 +450,40 @@ def _insert_staged(session: Session, flush_context: object, instances: object) -
     (docs/performance.md, "The write path"). An object that is no longer pending (its
     savepoint rolled back, or the caller expunged it) is not written. Events staged by a
     later ``before_flush`` listener are flushed by the unit of work as before (same rows).
+
+    Rows are grouped by outbox table (statement and connection), not by writer: two writers
+    sharing a table keep the staging order of their events in the ids. A failing INSERT
+    (e.g. a duplicate key) fails the flush as a failing unit of work does: the session's
+    transaction (or the innermost savepoint) is rolled back and the session must be rolled
+    back before it is used again, so a later ``commit`` raises instead of returning over a
+    transaction PostgreSQL already aborted.
     """
     staged = session.info.pop(_STAGED, None)
     if not staged:
         return
-    groups: dict[OutboxWriter, list[tuple[_Values, _Values]]] = {}
+    pending: list[tuple[OutboxWriter, tuple[_Values, _Values]]] = []
     for writer, obj in staged:
         if not sa.inspect(obj).pending:
             continue
         session.expunge(obj)
-        groups.setdefault(writer, []).append(obj._ledgerbox_row)
-    for writer, rows in groups.items():
-        writer._insert_rows(session.connection(bind_arguments=writer._bind_args), rows)
+        pending.append((writer, obj._ledgerbox_row))
+    if not pending:
+        return
+    # The subtransaction Session._flush opens around the unit of work: its rollback on an
+    # error deactivates the session's transaction (PendingRollbackError until rolled back).
+    transaction = session._autobegin_t()._begin()
+    try:
+        groups: dict[tuple[Connection, str], tuple[OutboxWriter, list[tuple[_Values, _Values]]]]
+        groups = {}
+        for writer, row in pending:
+            conn = session.connection(bind_arguments=writer._bind_args)
+            groups.setdefault((conn, writer._insert_sql), (writer, []))[1].append(row)
+        for (conn, _sql), (writer, rows) in groups.items():
+            writer._insert_rows(conn, rows)
+    except BaseException:
+        transaction.rollback(_capture_exception=True)
+        raise
+    transaction.commit()
 
 
 def _insert_driver_sql(qualified_name: str) -> str:

@@ -501,3 +501,51 @@ async def test_events_staged_by_the_callers_own_before_flush_listener_are_writte
     with engine.connect() as conn:
         ids = conn.execute(sa.text("SELECT aggregate_id FROM outbox ORDER BY id")).scalars().all()
     assert sorted(ids) == ["50", "51", "52", "53"]
+
+
+def test_two_writers_of_one_table_keep_the_staging_order_of_a_key(engine: Engine) -> None:
+    """Two writers (say, two sources) sharing one outbox table, staging events of one
+    aggregate interleaved in one transaction: ids follow the staging order, as the unit of
+    work wrote them before the flush's INSERT (it grouped the rows by writer: 1, 3, 2)."""
+    other = OutboxWriter(TopicRouter(default="orders.events"), source="/billing", table=TABLE)
+    with Session(engine) as session, session.begin():
+        WRITER.stage(session, _event(70, key="k-70"))
+        other.stage(session, _event(70, {"n": 2}, key="k-71"))
+        WRITER.stage(session, _event(70, {"n": 3}, key="k-72"))
+    with engine.connect() as conn:
+        keys = conn.execute(sa.text("SELECT idempotency_key FROM outbox ORDER BY id")).scalars()
+        assert keys.all() == ["k-70", "k-71", "k-72"]
+
+
+def test_a_duplicate_failing_the_flush_leaves_the_session_needing_a_rollback(
+    engine: Engine, orders: sa.Table
+) -> None:
+    """The flush's INSERT failing (a duplicate key) fails the flush as the unit of work does:
+    the session must be rolled back, so a second ``commit`` raises instead of returning over
+    a transaction PostgreSQL rolled back (it returned, the order row was lost). In a savepoint
+    only the savepoint fails; the outer transaction commits its own rows and events."""
+    first = _event(80)
+    with Session(engine) as session, session.begin():
+        WRITER.stage(session, first)
+    twin = first.model_copy(update={"event_id": uuid.uuid4()})
+    with Session(engine) as session:
+        session.execute(orders.insert().values(id=80, amount=Decimal("1.00")))
+        WRITER.stage(session, twin)
+        with pytest.raises(IntegrityError) as caught:
+            session.commit()
+        assert WRITER.is_duplicate(caught.value)
+        with pytest.raises(sa.exc.PendingRollbackError):
+            session.commit()
+        session.rollback()
+        with session.begin():  # the session is usable again
+            WRITER.stage(session, _event(81))
+    with Session(engine) as session, session.begin():
+        session.execute(orders.insert().values(id=82, amount=Decimal("1.00")))
+        with pytest.raises(IntegrityError) as caught, session.begin_nested():
+            WRITER.stage(session, twin)
+        assert WRITER.is_duplicate(caught.value)
+        WRITER.stage(session, _event(82))
+    with engine.connect() as conn:
+        ids = conn.execute(sa.text("SELECT aggregate_id FROM outbox ORDER BY id")).scalars().all()
+        order_ids = conn.execute(sa.text("SELECT id FROM orders WHERE id >= 80 ORDER BY id"))
+        assert (ids, order_ids.scalars().all()) == (["80", "81", "82"], [82])
