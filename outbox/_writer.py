@@ -475,8 +475,11 @@ def _insert_staged(session: Session, flush_context: object, instances: object) -
     try:
         groups: dict[tuple[Connection, str], tuple[OutboxWriter, list[tuple[_Values, _Values]]]]
         groups = {}
+        connections: dict[OutboxWriter, Connection] = {}
         for writer, row in pending:
-            conn = session.connection(bind_arguments=writer._bind_args)
+            conn = connections.get(writer)
+            if conn is None:
+                conn = connections[writer] = session.connection(bind_arguments=writer._bind_args)
             groups.setdefault((conn, writer._insert_sql), (writer, []))[1].append(row)
         for (conn, _sql), (writer, rows) in groups.items():
             writer._insert_rows(conn, rows)
