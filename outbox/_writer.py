@@ -380,8 +380,11 @@ class OutboxWriter:
         one statement in the driver's own SQL (engine events and tracing still see it;
         SQLAlchemy's compilation and type processing of a Core insert were ~100 us of client
         CPU per event), one ``executemany`` for several rows. A driver with another
-        parameter style than psycopg's gets the Core insert."""
-        if conn.dialect.paramstyle != "pyformat":
+        parameter style than psycopg's, or a connection with a ``schema_translate_map``
+        (which only compiled statements honour), gets the Core insert."""
+        if conn.dialect.paramstyle != "pyformat" or conn.get_execution_options().get(
+            "schema_translate_map"
+        ):
             conn.execute(self._insert, [row for row, _ in pairs])
             return
         params = [p for _, p in pairs]
