@@ -128,9 +128,10 @@ class OutboxWriter:
         self._insert_once_sql = _insert_once_statement(self.table.table, self.table.qualified_name)
         self._insert = sa.insert(self.table.table)
         self._insert_sql = _insert_driver_sql(self.table.qualified_name)
-        # Session.get_bind() finds binds keyed by the mapped class or by the table.
+        # Session.get_bind() finds binds keyed by the mapped class or by the table; it gets
+        # the Mapper, as from the unit of work (a get_bind override may read mapper.class_).
         self._bind_args: dict[str, Any] = {
-            "mapper": self.table.row_class,
+            "mapper": sa.inspect(self.table.row_class),
             "clause": self.table.table,
         }
 

@@ -572,3 +572,21 @@ def test_stage_honours_a_schema_translate_map(engine: Engine) -> None:
     finally:
         with engine.begin() as conn:
             conn.execute(sa.text("DROP SCHEMA tenant_a CASCADE"))
+
+
+def test_a_routing_session_gets_the_outbox_mapper_at_the_flush(engine: Engine) -> None:
+    """A ``Session`` subclass overriding ``get_bind`` (SQLAlchemy's "custom vertical
+    partitioning" recipe) is asked with the outbox ``Mapper``, as the unit of work asked it:
+    the flush's INSERT passed the mapped class, and ``mapper.class_`` raised AttributeError;
+    ``stage_once`` routes the same way."""
+    asked: list[object] = []
+
+    class RoutingSession(Session):
+        def get_bind(self, mapper: Any = None, clause: Any = None, **kw: Any) -> Any:
+            asked.append(mapper.class_ if mapper is not None else None)
+            return engine
+
+    with RoutingSession() as session, session.begin():
+        WRITER.stage(session, _event(100))
+        assert WRITER.stage_once(session, _event(101)).created
+    assert TABLE.row_class in asked and _count(engine) == 2
