@@ -309,7 +309,7 @@ class OutboxWriter:
                     if isinstance(target, Session)
                     else target
                 )
-                if conn.dialect.paramstyle == "pyformat":
+                if _psycopg(conn.dialect):
                     return conn.exec_driver_sql(*query.driver)
             if query.routed and isinstance(target, Session):
                 return target.execute(query.statement, query.params, bind_arguments=self._bind_args)
@@ -330,7 +330,7 @@ class OutboxWriter:
                     if isinstance(target, AsyncSession)
                     else target
                 )
-                if conn.dialect.paramstyle == "pyformat":
+                if _psycopg(conn.dialect):
                     return await conn.exec_driver_sql(*query.driver)
             if query.routed and isinstance(target, AsyncSession):
                 return await target.execute(
@@ -380,12 +380,11 @@ class OutboxWriter:
         """INSERT the rows of ``pairs`` (:meth:`_rows`) on ``conn``, in its open transaction:
         one statement in the driver's own SQL (engine events and tracing still see it;
         SQLAlchemy's compilation and type processing of a Core insert were ~100 us of client
-        CPU per event), one ``executemany`` for several rows. A driver with another
-        parameter style than psycopg's, or a connection with a ``schema_translate_map``
+        CPU per event), one ``executemany`` for several rows. Another driver than psycopg
+        3 (its SQL and its adaptation of UUIDs and datetimes), or a connection with a
+        ``schema_translate_map``
         (which only compiled statements honour), gets the Core insert."""
-        if conn.dialect.paramstyle != "pyformat" or conn.get_execution_options().get(
-            "schema_translate_map"
-        ):
+        if not _psycopg(conn.dialect) or conn.get_execution_options().get("schema_translate_map"):
             conn.execute(self._insert, [row for row, _ in pairs])
             return
         params = [p for _, p in pairs]
@@ -491,6 +490,13 @@ def _insert_staged(session: Session, flush_context: object, instances: object) -
         transaction.rollback(_capture_exception=True)
         raise
     transaction.commit()
+
+
+def _psycopg(dialect: sa.Dialect) -> bool:
+    """The connection's driver is psycopg 3: the writer's own SQL (``%(name)s`` parameters,
+    psycopg's adaptation of UUIDs, datetimes and text) applies. psycopg2 shares the parameter
+    style, not the adaptation."""
+    return dialect.driver == "psycopg"
 
 
 def _insert_driver_sql(qualified_name: str) -> str:

@@ -355,3 +355,16 @@ def test_failsafe_12_an_event_time_beyond_kafkas_future_limit_is_refused_at_writ
     assert unbounded.occurred_at.year == 2100
     with pytest.raises(ConfigurationError):
         _writer(max_future_s=-1.0)
+
+
+def test_the_writers_own_sql_is_used_with_psycopg_3_only() -> None:
+    """psycopg2 shares psycopg's parameter style but not its adaptation of UUIDs: only a
+    psycopg 3 connection (sync or async) gets the driver SQL, any other the Core statement."""
+    from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg, PGDialectAsync_psycopg
+    from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
+
+    from ledgerbox.outbox._writer import _psycopg
+
+    assert _psycopg(PGDialect_psycopg()) and _psycopg(PGDialectAsync_psycopg())
+    assert PGDialect_psycopg2.default_paramstyle == "pyformat"  # why the style is no test
+    assert not _psycopg(PGDialect_psycopg2())
