@@ -36,21 +36,22 @@ def roles(database_url: str, engine: Engine) -> Iterator[Roles]:
         yield made
 
 
+def _order_event(writer: OutboxWriter, kind: str, order: str) -> EventEnvelope:
+    return writer.event(
+        event_type=kind,
+        aggregate_type="order",
+        aggregate_id=order,
+        payload={"order_id": order, "amount": "10.00"},
+        idempotency_key=f"{order}:{kind}",
+    )
+
+
 def _stage(url: str, topic: str, orders: list[tuple[str, str]]) -> None:
     """Stage ``(event type, order id)`` events as the application does, under ``url``'s role:
     ``stage`` for all, ``stage_once`` once more for the first (a duplicate, read back)."""
     writer = OutboxWriter(TopicRouter(default=topic), source="/roles-test")
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    events = [
-        writer.event(
-            event_type=kind,
-            aggregate_type="order",
-            aggregate_id=order,
-            payload={"order_id": order, "amount": "10.00"},
-            idempotency_key=f"{order}:{kind}",
-        )
-        for kind, order in orders
-    ]
+    events = [_order_event(writer, kind, order) for kind, order in orders]
     try:
         with Session(engine) as session, session.begin():
             for event in events:
@@ -175,25 +176,15 @@ def test_the_app_role_needs_select_for_stage_once(roles: Roles, database_url: st
     execute(database_url, f"REVOKE SELECT ON outbox FROM {app}")  # noqa: S608 (a generated name)
     writer = OutboxWriter(TopicRouter(default="t"), source="/roles-test")
     engine = sa.create_engine(roles.urls["app"], poolclass=sa.pool.NullPool)
-
-    def event(order: str) -> EventEnvelope:
-        return writer.event(
-            event_type="NoSelectGrant",
-            aggregate_type="order",
-            aggregate_id=order,
-            payload={"order_id": order},
-            idempotency_key=f"{order}:no-select",
-        )
-
     try:
         with Session(engine) as session, session.begin():
-            writer.stage(session, event("ns-1"))
+            writer.stage(session, _order_event(writer, "NoSelectGrant", "ns-1"))
         with (
             pytest.raises(sa.exc.ProgrammingError) as caught,
             Session(engine) as session,
             session.begin(),
         ):
-            writer.stage_once(session, event("ns-2"))
+            writer.stage_once(session, _order_event(writer, "NoSelectGrant", "ns-2"))
         assert isinstance(caught.value.orig, psycopg.errors.InsufficientPrivilege)
     finally:
         engine.dispose()
