@@ -234,8 +234,8 @@ class OutboxWriter:
         """Stage one event in the caller's transaction. Never flushes, never commits.
 
         With a ``Session`` or ``AsyncSession`` this only calls ``session.add`` (no I/O; the
-        row is inserted at the session's next flush, at the latest at commit, by one Core
-        INSERT per flush - :func:`_insert_staged` - not by the unit of work). With a Core
+        row is inserted at the session's next flush, at the latest at commit, by one INSERT
+        per outbox table per flush - :func:`_insert_staged` - not by the unit of work). With a Core
         ``Connection`` the INSERT runs now, inside the connection's open transaction.
 
         Guarantee: the event exists if and only if the caller's transaction commits.
@@ -382,8 +382,8 @@ class OutboxWriter:
         SQLAlchemy's compilation and type processing of a Core insert were ~100 us of client
         CPU per event), one ``executemany`` for several rows. Another driver than psycopg
         3 (its SQL and its adaptation of UUIDs and datetimes), or a connection with a
-        ``schema_translate_map``
-        (which only compiled statements honour), gets the Core insert."""
+        ``schema_translate_map`` (which only compiled statements honour), gets the Core
+        insert."""
         if not _psycopg(conn.dialect) or conn.get_execution_options().get("schema_translate_map"):
             conn.execute(self._insert, [row for row, _ in pairs])
             return
@@ -401,12 +401,6 @@ class OutboxWriter:
         params["payload"] = payload_json.decode("utf-8")
         params["headers"] = json.dumps(event.headers, separators=(",", ":"), ensure_ascii=False)
         return row, params
-
-    def _row(self, event: EventEnvelope) -> dict[str, Any]:
-        size = len(dumps_payload(event.payload))
-        if size > self.max_payload_bytes:
-            raise PayloadTooLargeError(size, self.max_payload_bytes)
-        return self._values(event)
 
     def _values(self, event: EventEnvelope) -> dict[str, Any]:
         return {
@@ -487,8 +481,8 @@ def _insert_staged(session: Session, flush_context: object, instances: object) -
         for (conn, _sql), (writer, rows) in groups.items():
             writer._insert_rows(conn, rows)
     except BaseException:
-        transaction.rollback(_capture_exception=True)
-        raise
+        with sa.util.safe_reraise():  # a failing rollback does not hide the INSERT's error
+            transaction.rollback(_capture_exception=True)
     transaction.commit()
 
 
@@ -524,7 +518,7 @@ class _Query:
 _ON_CONFLICT_RETURNING = " ON CONFLICT DO NOTHING RETURNING id"
 
 
-#: The columns a writer fills (the keys of ``OutboxWriter._row``); the others have defaults.
+#: The columns a writer fills (the keys of ``OutboxWriter._values``); the others have defaults.
 _STAGED_COLUMNS = (
     "event_id",
     "idempotency_key",
