@@ -340,7 +340,7 @@ class Lane:
         }
         self._cursors.forget(gone)
         self._valid.difference_update(gone)
-        events = [e for e in batch.events if e.shard in usable]
+        events = [e for e in batch.events if e.shard not in gone]
         if not events:
             await self._flush_persist()
             return 0, 0
