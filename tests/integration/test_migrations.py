@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from alembic import command
 from alembic.autogenerate import compare_metadata
@@ -11,6 +12,8 @@ from alembic.migration import MigrationContext
 from sqlalchemy.engine import Engine
 
 from ledgerbox import migrations
+from ledgerbox._core.errors import ConfigurationError
+from ledgerbox._core.identifiers import RESERVED_KEYWORDS
 
 
 def _diff(engine: Engine, names: migrations.Names) -> list[object]:
@@ -127,3 +130,33 @@ async def test_a_v1_database_upgraded_online_publishes_each_v1_pending_event_onc
         }
     finally:
         engine.dispose()
+
+
+def test_the_reserved_key_words_are_the_servers(engine: Engine) -> None:
+    # Names are embedded unquoted (trigger DDL, the relay's and the writer's SQL): every key
+    # word this server reserves for table and schema names must be refused by sql_identifier.
+    with engine.connect() as conn:
+        reserved = set(
+            conn.execute(
+                sa.text("SELECT word FROM pg_get_keywords() WHERE catcode IN ('R', 'T')")
+            ).scalars()
+        )
+    assert reserved - RESERVED_KEYWORDS == set()
+
+
+def test_a_reserved_word_as_a_table_name_is_refused_before_any_sql(
+    empty_database_url: str,
+) -> None:
+    # Before: "order" passed validation and the migration failed half-way with PostgreSQL's
+    # syntax error at "CREATE TRIGGER order_notify AFTER INSERT ON order".
+    with pytest.raises(ConfigurationError, match="'order' is a reserved SQL key word"):
+        migrations.upgrade_database(empty_database_url, migrations.Names(outbox_table="order"))
+    engine = sa.create_engine(empty_database_url)
+    try:
+        with engine.connect() as conn:
+            tables = conn.execute(
+                sa.text("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    assert tables == 0

@@ -145,7 +145,9 @@ def test_topic_router() -> None:
         TopicRouter(default="bad topic!")
 
 
-@pytest.mark.parametrize("name", ["Outbox", "out-box", "1outbox", "x" * 64, "outbox;drop", ""])
+@pytest.mark.parametrize(
+    "name", ["Outbox", "out-box", "1outbox", "x" * 64, "outbox;drop", "", "order", "user"]
+)
 def test_table_names_must_be_sql_identifiers(name: str) -> None:
     with pytest.raises(ConfigurationError):
         OutboxTable(name)
