@@ -285,6 +285,12 @@ class OutboxWriter:
         event id), this waits for it: if it commits, this returns the duplicate; if it rolls
         back, this inserts. Concurrent twins never see a unique violation.
 
+        Events staged with :meth:`stage` on the same session and not yet flushed are written
+        first (their INSERT, as the flush would write them; the session's other pending
+        objects are not flushed), so the outbox ids - the relay's order per key - follow the
+        order of the calls. Before 2026-12-01 a ``stage`` followed by a ``stage_once`` of the
+        same aggregate published the second event first.
+
         Call it before writing the business rows: when ``created`` is ``False``, roll back
         and answer the retried request from ``Staged.event``.
 
@@ -315,6 +321,8 @@ class OutboxWriter:
                 return target.execute(query.statement, query.params, bind_arguments=self._bind_args)
             return target.execute(query.statement, query.params)
 
+        if isinstance(target, Session) and target.info.get(_STAGED):
+            _insert_staged(target, None, None)  # events staged before this one go first
         return run_plan(self._stage_once_plan(event), execute)
 
     async def astage_once(
@@ -338,6 +346,8 @@ class OutboxWriter:
                 )
             return await target.execute(query.statement, query.params)
 
+        if isinstance(target, AsyncSession) and target.sync_session.info.get(_STAGED):
+            await target.run_sync(_insert_staged, None, None)  # events staged before go first
         return await arun_plan(self._stage_once_plan(event), execute)
 
     def is_duplicate(self, exc: BaseException) -> bool:

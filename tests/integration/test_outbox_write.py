@@ -590,3 +590,27 @@ def test_a_routing_session_gets_the_outbox_mapper_at_the_flush(engine: Engine) -
         WRITER.stage(session, _event(100))
         assert WRITER.stage_once(session, _event(101)).created
     assert TABLE.row_class in asked and _count(engine) == 2
+
+
+def test_stage_then_stage_once_of_one_aggregate_keep_the_call_order(engine: Engine) -> None:
+    """``stage`` defers its INSERT to the flush, ``stage_once`` inserts at once: the event
+    staged first got the higher id (the relay published the second event first)."""
+    with Session(engine) as session, session.begin():
+        WRITER.stage(session, _event(90, key="k-90"))
+        WRITER.stage_many(session, [_event(90, {"n": 2}, key="k-91")])
+        assert WRITER.stage_once(session, _event(90, {"n": 3}, key="k-92")).created
+        WRITER.stage(session, _event(90, {"n": 4}, key="k-93"))
+    with engine.connect() as conn:
+        keys = conn.execute(sa.text("SELECT idempotency_key FROM outbox ORDER BY id")).scalars()
+        assert keys.all() == ["k-90", "k-91", "k-92", "k-93"]
+
+
+async def test_stage_then_astage_once_keep_the_call_order(
+    async_engine: AsyncEngine, engine: Engine
+) -> None:
+    async with AsyncSession(async_engine) as session, session.begin():
+        WRITER.stage(session, _event(91, key="k-94"))
+        assert (await WRITER.astage_once(session, _event(91, {"n": 2}, key="k-95"))).created
+    with engine.connect() as conn:
+        keys = conn.execute(sa.text("SELECT idempotency_key FROM outbox ORDER BY id")).scalars()
+        assert keys.all() == ["k-94", "k-95"]
