@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any, TypeVar
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import to_jsonable_python
 
 from ledgerbox.outbox._errors import (
@@ -35,6 +35,10 @@ _KEY_NAMESPACE = uuid.UUID("6f1f2d9e-3b1c-4f51-9a57-2c9c1d0f4b11")
 
 class EventEnvelope(BaseModel):
     """One domain event as written to the outbox and carried on Kafka.
+
+    Every string (fields, header names and values, payload keys and values) must be storable
+    in PostgreSQL and encodable as UTF-8: no NUL character and no lone surrogate
+    (``ValidationError`` otherwise; :meth:`OutboxWriter.event` raises ``EventValidationError``).
 
     Attributes
     ----------
@@ -77,6 +81,23 @@ class EventEnvelope(BaseModel):
     occurred_at: AwareDatetime
     payload: dict[str, Any]
     headers: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _storable_text(self) -> EventEnvelope:
+        # Every string must be storable in PostgreSQL text/jsonb and sendable as UTF-8: a NUL
+        # (text refuses 0x00, jsonb the escape \u0000) or a lone surrogate (no UTF-8 form;
+        # json.loads makes one of "\ud800") failed the flush with a raw DataError or
+        # UnicodeEncodeError, and an inbox row of such a record could not be written.
+        fields = [getattr(self, name) for name in _TEXT_FIELDS]
+        everything = "".join((*fields, *self.headers, *self.headers.values()))
+        if "\x00" in everything or not everything.isascii():  # else: all storable (fast path)
+            for name, value in zip(_TEXT_FIELDS, fields, strict=True):
+                check_text(value, name)
+            for key, value in self.headers.items():
+                check_text(key, "headers")
+                check_text(value, f"headers.{key}")
+        _check_strings(self.payload, "payload")
+        return self
 
     def payload_as(self, model: type[M]) -> M:
         """Validate the payload into ``model`` (e.g. restores ``Decimal`` and ``UUID`` exactly).
@@ -124,6 +145,63 @@ def idempotency_key(*parts: str | int | uuid.UUID | Decimal) -> str:
         texts.append(f"{len(text)}:{text}")
     digest = hashlib.sha256("|".join(texts).encode()).hexdigest()
     return f"{texts[0].split(':', 1)[1]}:{uuid.uuid5(_KEY_NAMESPACE, digest)}"
+
+
+_TEXT_FIELDS = (
+    "idempotency_key",
+    "event_type",
+    "topic",
+    "aggregate_type",
+    "aggregate_id",
+    "partition_key",
+    "source",
+)
+
+
+def check_text(value: str, path: str) -> None:
+    """Raise ``ValueError`` if ``value`` holds a NUL or a lone surrogate (PostgreSQL's text
+    and jsonb refuse the first, UTF-8 has no form for the second)."""
+    if "\x00" in value:
+        raise ValueError(f"{path} contains a NUL character (PostgreSQL text cannot store it)")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{path} contains a lone surrogate {value[exc.start]!r} at {exc.start}"
+                " (not encodable as UTF-8)"
+            ) from None
+
+
+def _check_strings(value: Any, path: str) -> None:
+    """:func:`check_text` every string of a JSON-ready value (object keys included); the
+    path of an offending value is built only once one is found."""
+    if isinstance(value, str):
+        if "\x00" in value or not value.isascii():
+            check_text(value, path)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and ("\x00" in key or not key.isascii()):
+                check_text(key, f"{path} key {key!r}")
+            if isinstance(item, str):
+                if "\x00" in item or not item.isascii():
+                    check_text(item, f"{path}.{key}")
+            elif isinstance(item, dict | list):
+                _check_strings(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if isinstance(item, str | dict | list):
+                _check_strings(item, f"{path}[{index}]")
+
+
+def one_line(exc: ValidationError) -> str:
+    """pydantic's errors as one line: ``field: message; ...`` (its own text spans lines)."""
+    parts = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts)
 
 
 def _check_values(value: Any, path: str) -> None:

@@ -31,7 +31,7 @@ from ledgerbox._core.names import (
     H_TYPE,
     KNOWN_HEADERS,
 )
-from ledgerbox.outbox._envelope import EventEnvelope
+from ledgerbox.outbox._envelope import EventEnvelope, one_line
 from ledgerbox.outbox._errors import EnvelopeParseError
 
 __all__ = ["CONTENT_TYPE", "envelope_from_kafka", "kafka_headers", "timestamp_ms"]
@@ -135,4 +135,5 @@ def envelope_from_kafka(
             headers={k: v for k, v in found.items() if k not in KNOWN_HEADERS},
         )
     except (ValueError, ValidationError, UnicodeDecodeError) as exc:
-        raise EnvelopeParseError(f"invalid event fields: {exc}") from exc
+        detail = one_line(exc) if isinstance(exc, ValidationError) else str(exc)
+        raise EnvelopeParseError(f"invalid event fields: {detail}") from exc

@@ -23,7 +23,13 @@ from sqlalchemy.orm import Session
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.faults import Fault, driver_fault
 from ledgerbox._core.plan import Plan, arun_plan, run_plan
-from ledgerbox.outbox._envelope import EventEnvelope, dumps_payload, to_json_payload
+from ledgerbox.outbox._envelope import (
+    EventEnvelope,
+    check_text,
+    dumps_payload,
+    one_line,
+    to_json_payload,
+)
 from ledgerbox.outbox._errors import (
     EventIdConflictError,
     EventValidationError,
@@ -199,7 +205,12 @@ class OutboxWriter:
         ):
             raise FutureEventTimeError(occurred_at, self.max_future_s)
         json_payload = to_json_payload(payload)
-        event_id = event_id or uuid.uuid5(_EVENT_ID_NAMESPACE, idempotency_key)
+        if event_id is None:
+            try:  # uuid5 encodes the key: a lone surrogate raised a bare UnicodeEncodeError
+                check_text(idempotency_key, "idempotency_key")
+            except ValueError as exc:
+                raise EventValidationError(f"invalid event {event_type!r}: {exc}") from None
+            event_id = uuid.uuid5(_EVENT_ID_NAMESPACE, idempotency_key)
         topic = topic if topic is not None else self.router.route(event_type, aggregate_type)
         partition_key = partition_key if partition_key is not None else str(aggregate_id)
         trace_headers = producer_trace_headers(
@@ -226,7 +237,7 @@ class OutboxWriter:
                 headers=all_headers,
             )
         except ValidationError as exc:
-            raise EventValidationError(f"invalid event {event_type!r}: {exc}") from exc
+            raise EventValidationError(f"invalid event {event_type!r}: {one_line(exc)}") from exc
 
     # -- staging ----------------------------------------------------------------------------
 

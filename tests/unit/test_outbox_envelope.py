@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import uuid
 from decimal import Decimal
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -181,9 +182,11 @@ def test_kafka_record_parse_errors_are_typed() -> None:
         envelope_from_kafka("t", b"k", b"{}", [("ce_id", b"x")])
 
 
-_text = st.text(min_size=1, max_size=20)
+# Storable text: no NUL, no lone surrogate (refused by the envelope: test below).
+_chars = st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",))
+_text = st.text(_chars, min_size=1, max_size=20)
 _json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**53), 2**53), st.text(max_size=20),
+    st.none(), st.booleans(), st.integers(-(2**53), 2**53), st.text(_chars, max_size=20),
     st.decimals(allow_nan=False, allow_infinity=False, places=2).map(str),
 )  # fmt: skip
 _json = st.recursive(
@@ -370,3 +373,66 @@ def test_the_writers_own_sql_is_used_with_psycopg_3_only() -> None:
     assert _psycopg(PGDialect_psycopg()) and _psycopg(PGDialectAsync_psycopg())
     assert PGDialect_psycopg2.default_paramstyle == "pyformat"  # why the style is no test
     assert not _psycopg(PGDialect_psycopg2())
+
+
+_BAD_TEXT = ["\x00", "a\x00b", "\ud800", "x\udfffy"]
+
+
+@pytest.mark.parametrize("bad", _BAD_TEXT)
+@pytest.mark.parametrize(
+    "where",
+    ["idempotency_key", "event_type", "aggregate_id", "header name", "header value",
+     "payload key", "payload value", "nested payload value"],
+)  # fmt: skip
+def test_unstorable_text_anywhere_in_an_event_is_a_typed_error_at_event(
+    where: str, bad: str
+) -> None:
+    """A NUL (PostgreSQL text and jsonb refuse it) or a lone surrogate (no UTF-8 form) failed
+    the flush with a raw DataError / UnicodeEncodeError; now event() refuses it, one line."""
+    writer = OutboxWriter(TopicRouter(default="orders.events"), source="/svc")
+    args: dict[str, Any] = {
+        "event_type": "OrderPlaced",
+        "aggregate_type": "order",
+        "aggregate_id": "1",
+        "payload": {"a": 1},
+        "idempotency_key": "k",
+    }
+    if where in ("idempotency_key", "event_type", "aggregate_id"):
+        args[where] = bad
+    elif where == "header name":
+        args["headers"] = {bad: "v"}
+    elif where == "header value":
+        args["headers"] = {"x-tenant": bad}
+    elif where == "payload key":
+        args["payload"] = {bad: 1}
+    elif where == "payload value":
+        args["payload"] = {"a": bad}
+    else:
+        args["payload"] = {"a": [{"b": bad}]}
+    with pytest.raises(EventValidationError, match=r"NUL character|surrogate|unicode string") as c:
+        writer.event(**args)
+    assert "\n" not in str(c.value)
+
+
+@pytest.mark.parametrize("value", [b'{"a": "\\u0000"}', b'{"a": "\\ud800"}'])
+def test_a_record_whose_json_decodes_to_unstorable_text_is_a_parse_error(value: bytes) -> None:
+    # JSON escapes decode to a NUL or a lone surrogate: the inbox could not store its row.
+    event = OutboxWriter(TopicRouter(default="t"), source="/svc").event(
+        event_type="OrderPlaced",
+        aggregate_type="order",
+        aggregate_id="1",
+        payload={},
+        idempotency_key="k",
+    )
+    headers = kafka_headers(
+        event_id=event.event_id,
+        event_type=event.event_type,
+        source=event.source,
+        occurred_at=event.occurred_at,
+        idempotency_key=event.idempotency_key,
+        aggregate_type=event.aggregate_type,
+        aggregate_id=event.aggregate_id,
+        aggregate_version=None,
+    )
+    with pytest.raises(EnvelopeParseError, match=r"NUL character|lone surrogate"):
+        envelope_from_kafka("t", b"1", value, headers)
