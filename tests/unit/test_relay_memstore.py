@@ -557,3 +557,49 @@ async def test_a_lane_idle_after_every_batch_persists_once_per_interval_not_per_
         await asyncio.wait_for(task, 10)
     assert len(publisher.records) == 20
     assert during <= 5, f"{during} persists for 20 batches published one after the other"
+
+
+async def test_a_shard_reacquired_under_a_new_fence_during_a_slow_claim_is_not_sent() -> None:
+    """The claim ran long: meanwhile this relay's leases expired and it acquired the shards
+    again, under new fences. The claimed rows were read with the old cursor, so they must not
+    be sent: the next claim reads the cursor again from the lease row, under the new fence.
+    Sent anyway (as 886a2a7 did, filtering by "still usable" alone), each event went out twice:
+    once now, its persist refused by the fence, and again after the cursor was re-read."""
+    clock = Clock()
+    store, publisher = InMemoryRelayStore("r1", clock=clock), InMemoryPublisher()
+    relay = Relay(config(), publisher=publisher, store_factory=store.factory(), clock=clock)
+    real_claim = store.claim_batch
+    slow = True
+
+    async def slow_claim(*args: Any, **kwargs: Any) -> Any:
+        nonlocal slow
+        claimed = await real_claim(*args, **kwargs)
+        if slow and claimed.events:
+            slow = False
+            before = {s: relay._leases.fence(s) for s in relay.owned_shards()}
+            # Past lease_ttl_s: another relay takes the expired shards and gives them up
+            # again (it stopped); this relay's heartbeat finds them lost and acquires them.
+            clock.now += 3.5
+            other = store.for_member("r2")
+            taken = await other.acquire_shards(64, 3.0, lo=0, hi=63)
+            assert len(taken) == 64
+            assert await other.release_shards(taken) == 64
+            await relay._leases.heartbeat_once()
+            after = {s: relay._leases.fence(s) for s in relay.owned_shards()}
+            assert len(after) == 64 and all(after[s] != before[s] for s in after)
+        return claimed
+
+    store.claim_batch = slow_claim  # type: ignore[method-assign]
+    try:
+        assert await relay.run_once() == 0, "rows to be published"
+        rows = [store.add(ev(f"k{i}", 1)) for i in range(5)]
+        assert await relay.run_once() == 0
+        assert publisher.records == [], "nothing sent from the claim under the old fences"
+        assert await relay.run_once() == 5
+        assert await relay.run_once() == 0
+    finally:
+        await relay.aclose()
+    assert sorted(json.loads(r.value)["key"] for r in publisher.records) == [
+        f"k{i}" for i in range(5)
+    ], "each event sent once"
+    assert all(store.is_published(r) for r in rows)
