@@ -30,6 +30,7 @@ import typer
 from ledgerbox._core import telemetry
 from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, LedgerboxError
+from ledgerbox._core.event_loop import EVENT_LOOP_SETTING, runner
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
 from ledgerbox._core.operator_settings import OPERATOR_FILTERS
 from ledgerbox._core.redaction import install_scrub_filter, scrub
@@ -72,6 +73,7 @@ CONSUMER_SETTINGS = CommandSettings(
             label="consumer app (module:attribute)",
         ),
         Setting("log_level", str, default="INFO", help="Logging level (DEBUG, INFO, WARNING)"),
+        EVENT_LOOP_SETTING,
         Setting("metrics_port", int, help="Serve Prometheus metrics on this port (unset: off)"),
         Setting(
             "metrics_host",
@@ -169,11 +171,17 @@ async def _run(consumer: InboxConsumer) -> None:
     await consumer.run()
 
 
-@CONSUMER_SETTINGS.typer_command(app, "run", ["app", "log_level", "metrics_port", "metrics_host"])
+@CONSUMER_SETTINGS.typer_command(
+    app, "run", ["app", "log_level", "metrics_port", "metrics_host", "event_loop"]
+)
 def run_command(values: Values, ctx: typer.Context) -> None:
     """Run the consumer until SIGTERM/SIGINT; in-flight records finish, offsets commit."""
     configure_logging(CONSUMER_SETTINGS, values["log_level"])
     install_scrub_filter()
+    try:
+        run_loop = runner(values["event_loop"])
+    except ConfigurationError as exc:
+        CONSUMER_SETTINGS.fail(exc, values)
     try:
         consumer = load_consumer(_require_app(values))
         telemetry.configure(f"ledgerbox-consumer-{consumer.group_id}")  # if OTEL_* asks
@@ -182,7 +190,7 @@ def run_command(values: Values, ctx: typer.Context) -> None:
                 serve_metrics(values["metrics_port"], values["metrics_host"])
             except ConfigurationError as exc:
                 CONSUMER_SETTINGS.fail(exc, values)
-        asyncio.run(_run(consumer))
+        run_loop(_run(consumer))
     except LedgerboxError as exc:  # invalid settings, refused credentials
         raise _refused("run", exc) from None
     finally:

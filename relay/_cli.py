@@ -34,6 +34,7 @@ from ledgerbox._core import telemetry
 from ledgerbox._core.database_url import database_label, database_remedy
 from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, DatabaseError, LedgerboxError
+from ledgerbox._core.event_loop import EVENT_LOOP_SETTING, loop_name, runner
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
 from ledgerbox._core.operator_settings import OPERATOR_FILTERS, OPERATOR_SWITCHES
 from ledgerbox._core.redaction import install_scrub_filter, scrub
@@ -92,6 +93,7 @@ RELAY_SETTINGS = CommandSettings(
             "machine)",
         ),
         Setting("log_level", str, default="INFO", help="Logging level (DEBUG, INFO, WARNING)"),
+        EVENT_LOOP_SETTING,
         Setting(
             "margin_s",
             float,
@@ -108,7 +110,7 @@ RELAY_SETTINGS = CommandSettings(
 _CONFIG_FIELDS = tuple(s.name for s in settings_from_dataclass(RelayConfig))
 _CONNECTION = ("database_url", "kafka_bootstrap_servers", *KAFKA_SETTING_NAMES)
 _TABLES = ("outbox_table", "schema")
-_DAEMON = ("metrics_port", "metrics_host", "log_level")
+_DAEMON = ("metrics_port", "metrics_host", "log_level", "event_loop")
 
 
 def _config(values: Values) -> RelayConfig:
@@ -149,7 +151,11 @@ def run(values: Values, ctx: typer.Context) -> None:
         except ConfigurationError as exc:
             RELAY_SETTINGS.fail(exc, values)
     try:
-        asyncio.run(_run(config, ctx.find_object(RelayHooks)))
+        run_loop = runner(values["event_loop"])
+    except ConfigurationError as exc:
+        RELAY_SETTINGS.fail(exc, values)
+    try:
+        run_loop(_run(config, ctx.find_object(RelayHooks)))
     finally:
         telemetry.shutdown()  # export the last spans
 
@@ -169,10 +175,11 @@ async def _run(config: RelayConfig, hooks: RelayHooks | None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, relay.stop)
     log.info(
-        "relay %s starting: database %s, kafka %s",
+        "relay %s starting: database %s, kafka %s, event loop %s",
         config.member_id,
         config.database_label,
         config.kafka_settings.describe(),
+        loop_name(),
     )
     await relay.run()
     log.info("relay %s stopped", config.member_id)

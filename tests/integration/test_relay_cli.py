@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from sqlalchemy import Engine, text
 
 from ledgerbox._core.names import SCHEMA_REVISIONS
@@ -78,3 +79,25 @@ def test_status_and_run_until_sigterm(
     after = _cli("status", DATABASE_URL=database_url).stdout
     assert "(free) shards: 0-63 (64)" in after, "leases released at shutdown"
     assert rs.pending_count(engine) == 0
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_run_publishes_and_stops_cleanly_on_either_event_loop(
+    engine: Engine, database_url: str, kafka_bootstrap: str, event_loop: str
+) -> None:
+    """``--event-loop``: the same relay on asyncio's loop and on uvloop (the default when
+    installed, as in this test environment); the start-up line names the loop."""
+    rs.reset_relay_tables(engine)
+    writer = rs.writer_for(f"cli-loop-{event_loop}")
+    rs.stage(engine, writer, [rs.event(writer, f"loop-{event_loop}", n) for n in (1, 2, 3)])
+    proc = rs.relay_process(database_url, kafka_bootstrap, "--event-loop", event_loop)
+    try:
+        deadline = time.monotonic() + 30
+        while rs.pending_count(engine) != 0:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+    finally:
+        code = rs.stop_process(proc)
+    log = proc.stderr.read().decode() if proc.stderr is not None else ""
+    assert code == 0, log
+    assert f"event loop {event_loop}" in log, log

@@ -454,3 +454,22 @@ def test_an_error_that_names_its_value_gets_no_second_got() -> None:
     )
     assert line.count("(got ") == 1, line
     assert line.startswith("ledgerbox console: port must be in 0..65535 (got 99999); set "), line
+
+
+def test_the_event_loop_setting_picks_the_loop_and_refuses_what_it_cannot_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+    import sys
+
+    from ledgerbox._core import event_loop
+    from ledgerbox._core.settings import SettingsError
+
+    assert event_loop.runner("asyncio") is asyncio.run
+    with pytest.raises(SettingsError, match="event_loop must be one of auto, asyncio, uvloop"):
+        event_loop.runner("libuv")
+    monkeypatch.setattr(event_loop, "_has_uvloop", lambda: False)
+    assert event_loop.runner("auto") is asyncio.run, "auto without uvloop: asyncio's loop"
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # importing it raises ImportError
+    with pytest.raises(SettingsError, match=r"pip install 'ledgerbox\[uvloop\]'"):
+        event_loop.runner("uvloop")

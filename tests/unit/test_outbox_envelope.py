@@ -15,6 +15,7 @@ from pydantic import AwareDatetime, BaseModel
 from sqlalchemy.orm import Session
 
 from ledgerbox import ConfigurationError, LedgerboxError
+from ledgerbox.inbox.testing import kafka_parts
 from ledgerbox.outbox import (
     DEFAULT_MAX_FUTURE_S,
     EnvelopeParseError,
@@ -424,15 +425,6 @@ def test_a_record_whose_json_decodes_to_unstorable_text_is_a_parse_error(value: 
         payload={},
         idempotency_key="k",
     )
-    headers = kafka_headers(
-        event_id=event.event_id,
-        event_type=event.event_type,
-        source=event.source,
-        occurred_at=event.occurred_at,
-        idempotency_key=event.idempotency_key,
-        aggregate_type=event.aggregate_type,
-        aggregate_id=event.aggregate_id,
-        aggregate_version=None,
-    )
+    key, _, headers = kafka_parts(event)
     with pytest.raises(EnvelopeParseError, match=r"NUL character|lone surrogate"):
-        envelope_from_kafka("t", b"1", value, headers)
+        envelope_from_kafka("t", key, value, headers)
