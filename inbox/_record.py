@@ -73,7 +73,10 @@ def record_identity(
     """The event id and type of a record, read from the CloudEvents headers if unparsed.
 
     An unparseable record may still carry a readable ``ce_id``: its failure is then recorded
-    in the inbox. ``(None, None)`` when there is no readable id.
+    in the inbox. ``(None, None)`` when there is no readable id. The type of an unparsed
+    record is made storable: undecodable bytes and NUL characters (PostgreSQL's ``text``
+    refuses them; a NUL in ``ce_type`` is one reason a record is unparseable) become
+    U+FFFD, else writing its inbox row failed on every retry and stopped the partition.
     """
     if event is not None:
         return event.event_id, event.event_type
@@ -83,7 +86,9 @@ def record_identity(
     except (KeyError, ValueError, UnicodeDecodeError):
         return None, None
     event_type = found.get("ce_type")
-    return event_id, event_type.decode("utf-8", "replace") if event_type else None
+    if not event_type:
+        return event_id, None
+    return event_id, event_type.decode("utf-8", "replace").replace("\x00", "\ufffd")
 
 
 class Abandon(Exception):

@@ -586,6 +586,47 @@ async def test_c13_poison_record_dead_lettered_and_partition_moves_on(
     assert [o for o, _ in paid(engine, group)] == ["E1", "E2", "E3"]
 
 
+async def test_c13_nul_in_ce_type_is_dead_lettered_with_its_inbox_row_not_a_stall(
+    database_url: str, engine: Engine, kafka_bootstrap: str
+) -> None:
+    # Before: since a NUL makes a record unparseable, its inbox row was written with the raw
+    # ce_type; psycopg refused the NUL client-side (no SQLSTATE: an ENVIRONMENT fault), so
+    # the dead-letterer retried it without bound and the partition stopped for good (health
+    # down). The record was already on the dead-letter topic.
+    from ledgerbox.inbox.testing import FakeRecord, InMemoryDeadLetterPublisher
+
+    group = f"c13c-{uuid.uuid4().hex[:8]}"
+    parked = InMemoryDeadLetterPublisher()
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=["orders"],
+            database_url=database_url,
+            kafka_bootstrap_servers=kafka_bootstrap,
+        ),
+        dead_letters=parked,
+    )
+    event = order_event("orders", "N1")
+    key, value, headers = kafka_parts(event)
+    headers = [(k, b"Order\x00Placed" if k == "ce_type" else v) for k, v in headers]
+    try:
+        outcome = await asyncio.wait_for(
+            consumer.process_record(FakeRecord("orders", 0, 7, key, value, tuple(headers))), 20
+        )
+    finally:
+        await consumer.aclose()
+    assert outcome is Outcome.DEAD_LETTERED
+    assert len(parked.records) == 1
+    [(event_id, status, error)] = inbox_rows(engine, group)
+    assert (event_id, status) == (event.event_id, InboxStatus.DEAD_LETTERED)
+    assert error is not None and "event_type contains a NUL character" in error
+    with engine.connect() as conn:
+        stored_type = conn.execute(
+            sa.text("SELECT event_type FROM inbox WHERE consumer_group = :g"), {"g": group}
+        ).scalar_one()
+    assert stored_type == "Order\ufffdPlaced"
+
+
 async def test_c13_handler_failing_for_good_is_dead_lettered_with_failed_inbox_row(
     database_url: str, engine: Engine, kafka_bootstrap: str
 ) -> None:
