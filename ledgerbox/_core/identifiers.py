@@ -6,7 +6,8 @@ import re
 
 from ledgerbox._core.errors import ConfigurationError
 
-_SQL_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+# Used with fullmatch: "^...$" with match() also accepted a final newline ("outbox\n").
+_SQL_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 # PostgreSQL's reserved key words (pg_get_keywords() catcode 'R' and 'T' of PostgreSQL 15, plus
 # system_user, reserved since 16): a table or schema cannot be named by one of them unquoted
 # (the grammar's ColId takes only unreserved and column-name key words), and ledgerbox's SQL
@@ -25,7 +26,7 @@ when where window with
 """
 RESERVED_KEYWORDS: frozenset[str] = frozenset(_RESERVED.split())
 # Kafka's own rule (kafka.common.internals.Topic): legal chars and max length 249.
-_KAFKA_TOPIC = re.compile(r"^[a-zA-Z0-9._-]{1,249}$")
+_KAFKA_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 
 
 def sql_identifier(value: str, what: str) -> str:
@@ -41,7 +42,7 @@ def sql_identifier(value: str, what: str) -> str:
     ConfigurationError
         If the name does not match ``[a-z_][a-z0-9_]{0,62}`` or is a reserved key word.
     """
-    if not isinstance(value, str) or not _SQL_IDENTIFIER.match(value):
+    if not isinstance(value, str) or not _SQL_IDENTIFIER.fullmatch(value):
         raise ConfigurationError(
             f"{what} {value!r} is not a valid SQL identifier: "
             "use [a-z_][a-z0-9_]*, at most 63 chars"
@@ -55,7 +56,7 @@ def sql_identifier(value: str, what: str) -> str:
 
 def kafka_topic(value: str) -> str:
     """Return ``value`` if it is a legal Kafka topic name, else raise ``ConfigurationError``."""
-    if not isinstance(value, str) or not _KAFKA_TOPIC.match(value) or value in {".", ".."}:
+    if not isinstance(value, str) or not _KAFKA_TOPIC.fullmatch(value) or value in {".", ".."}:
         raise ConfigurationError(
             f"topic {value!r} is not a legal Kafka topic name: [a-zA-Z0-9._-], 1 to 249 chars"
         )

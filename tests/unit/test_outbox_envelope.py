@@ -145,10 +145,13 @@ def test_topic_router() -> None:
         router.route("OrderPlaced", "order")
     with pytest.raises(ConfigurationError):
         TopicRouter(default="bad topic!")
+    with pytest.raises(ConfigurationError):  # before: "$" matched before the final newline
+        TopicRouter(default="orders\n")
 
 
 @pytest.mark.parametrize(
-    "name", ["Outbox", "out-box", "1outbox", "x" * 64, "outbox;drop", "", "order", "user"]
+    "name",
+    ["Outbox", "out-box", "1outbox", "x" * 64, "outbox;drop", "", "order", "user", "outbox\n"],
 )
 def test_table_names_must_be_sql_identifiers(name: str) -> None:
     with pytest.raises(ConfigurationError):
