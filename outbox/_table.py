@@ -52,6 +52,10 @@ def shard_of(partition_key: str, shard_count: int = DEFAULT_SHARD_COUNT) -> int:
     return zlib.crc32(partition_key.encode("utf-8")) % shard_count
 
 
+#: Longest LISTEN/NOTIFY channel, in bytes (PostgreSQL's ``NAMEDATALEN - 1``).
+MAX_CHANNEL_CHARS = 63
+
+
 class _OutboxRow:
     """Base of the per-table mapped classes; rows are created by the writer only."""
 
@@ -78,8 +82,9 @@ class OutboxTable:
     Raises
     ------
     ConfigurationError
-        If ``name`` or ``schema`` is not a valid identifier, or ``shard_count`` is not in
-        ``1..32767``.
+        If ``name`` or ``schema`` is not a valid identifier, if together they make the
+        notify channel ``<name>_<schema>_ledgerbox`` longer than 63 chars (``pg_notify``
+        refuses it), or ``shard_count`` is not in ``1..32767``.
     """
 
     def __init__(
@@ -94,6 +99,14 @@ class OutboxTable:
 
         self.name = sql_identifier(name, "outbox table name")
         self.schema = None if schema is None else sql_identifier(schema, "schema")
+        if len(self.notify_channel) > MAX_CHANNEL_CHARS:
+            # pg_notify refuses a longer channel ("channel name too long"): the migration
+            # passed and then every INSERT failed in the NOTIFY trigger.
+            raise ConfigurationError(
+                f"outbox table name {name!r} and schema {schema!r} make the notify channel "
+                f"{self.notify_channel!r} {len(self.notify_channel)} chars, over PostgreSQL's "
+                f"{MAX_CHANNEL_CHARS}: shorten the table or schema name"
+            )
         if not 1 <= shard_count <= 32767:
             raise ConfigurationError(f"shard_count must be in 1..32767, got {shard_count}")
         self.shard_count = shard_count

@@ -14,6 +14,7 @@ from sqlalchemy.engine import Engine
 from ledgerbox import migrations
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import RESERVED_KEYWORDS
+from ledgerbox.outbox._table import MAX_CHANNEL_CHARS
 
 
 def _diff(engine: Engine, names: migrations.Names) -> list[object]:
@@ -156,6 +157,32 @@ def test_a_reserved_word_as_a_table_name_is_refused_before_any_sql(
         with engine.connect() as conn:
             tables = conn.execute(
                 sa.text("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    assert tables == 0
+
+
+def test_the_longest_notify_channel_is_the_servers(engine: Engine) -> None:
+    with engine.connect() as conn:
+        conn.execute(sa.text("SELECT pg_notify(:c, '')"), {"c": "c" * MAX_CHANNEL_CHARS})
+        with pytest.raises(sa.exc.DBAPIError, match="channel name too long"):
+            conn.execute(sa.text("SELECT pg_notify(:c, '')"), {"c": "c" * (MAX_CHANNEL_CHARS + 1)})
+
+
+def test_names_making_a_too_long_notify_channel_are_refused_before_any_sql(
+    empty_database_url: str,
+) -> None:
+    # Before: the migration passed and every producer's INSERT then failed in the NOTIFY
+    # trigger: pg_notify('<table>_<schema>_ledgerbox') "channel name too long".
+    names = migrations.Names(schema="s" * 30, outbox_table="o" * 30)
+    with pytest.raises(ConfigurationError, match="notify channel"):
+        migrations.upgrade_database(empty_database_url, names)
+    engine = sa.create_engine(empty_database_url)
+    try:
+        with engine.connect() as conn:
+            tables = conn.execute(
+                sa.text("SELECT count(*) FROM pg_tables WHERE schemaname = :s"), {"s": "s" * 30}
             ).scalar_one()
     finally:
         engine.dispose()

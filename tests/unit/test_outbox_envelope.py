@@ -160,6 +160,14 @@ def test_table_names_must_be_sql_identifiers(name: str) -> None:
         OutboxTable("outbox", schema=name)
 
 
+def test_a_notify_channel_over_63_chars_is_refused() -> None:
+    # Before: OutboxTable("o" * 30, schema="s" * 30) passed, the migration too, and every
+    # INSERT then failed in the NOTIFY trigger with "channel name too long".
+    with pytest.raises(ConfigurationError, match=r"notify channel .* 71 chars"):
+        OutboxTable("o" * 30, schema="s" * 30)
+    assert len(OutboxTable("o" * 26, schema="s" * 26).notify_channel) == 63
+
+
 def test_typed_payload_round_trips_exactly_through_json() -> None:
     original = Payment(
         amount=Decimal("100.10"),
