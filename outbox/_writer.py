@@ -317,6 +317,10 @@ class OutboxWriter:
         EventIdConflictError
             The event id is stored under another idempotency key (a caller-chosen
             ``event_id`` reused); nothing is written.
+        sqlalchemy.exc.IntegrityError
+            An event staged earlier with :meth:`stage` on this session is a duplicate
+            (:meth:`is_duplicate` is true of it: of THAT event, not of this one), as its flush
+            would have failed; the session must be rolled back, nothing of it commits.
         """
 
         def execute(query: _Query) -> sa.Result[Any]:

@@ -614,3 +614,45 @@ async def test_stage_then_astage_once_keep_the_call_order(
     with engine.connect() as conn:
         keys = conn.execute(sa.text("SELECT idempotency_key FROM outbox ORDER BY id")).scalars()
         assert keys.all() == ["k-94", "k-95"]
+
+
+def test_a_staged_duplicate_fails_stage_once_as_its_flush_would_and_nothing_commits(
+    engine: Engine, orders: sa.Table
+) -> None:
+    # stage_once now writes the events staged before it: a staged duplicate raises there
+    # (not at the commit). The caller sees the flush's IntegrityError, the session needs a
+    # rollback (a commit cannot return over the aborted transaction) and nothing of the
+    # transaction - business row, staged events, the stage_once event - is committed.
+    with Session(engine) as session, session.begin():
+        WRITER.stage(session, _event(95, key="k-dup"))
+    with Session(engine) as session:
+        session.begin()
+        session.execute(orders.insert().values(id=95, amount=Decimal("1.00")))
+        WRITER.stage(session, _event(96, key="k-new"))
+        WRITER.stage(session, _event(95, key="k-dup"))
+        with pytest.raises(IntegrityError) as raised:
+            WRITER.stage_once(session, _event(97, key="k-once"))
+        assert WRITER.is_duplicate(raised.value)
+        with pytest.raises(sa.exc.PendingRollbackError):
+            session.commit()
+        session.rollback()
+    with engine.connect() as conn:
+        keys = conn.execute(sa.text("SELECT idempotency_key FROM outbox ORDER BY id")).scalars()
+        assert keys.all() == ["k-dup"]
+        assert conn.execute(sa.text("SELECT count(*) FROM orders WHERE id = 95")).scalar() == 0
+
+
+def test_stage_once_in_a_rolled_back_savepoint_keeps_the_events_staged_before_it(
+    engine: Engine,
+) -> None:
+    # begin_nested() flushes the events staged before it, so the savepoint's rollback drops
+    # only what stage_once wrote inside it.
+    with Session(engine) as session, session.begin():
+        WRITER.stage(session, _event(98, key="k-98"))
+        savepoint = session.begin_nested()
+        assert WRITER.stage_once(session, _event(98, {"n": 2}, key="k-99")).created
+        savepoint.rollback()
+        assert WRITER.stage_once(session, _event(98, {"n": 3}, key="k-100")).created
+    with engine.connect() as conn:
+        keys = conn.execute(sa.text("SELECT idempotency_key FROM outbox ORDER BY id")).scalars()
+        assert keys.all() == ["k-98", "k-100"]
