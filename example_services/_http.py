@@ -19,6 +19,7 @@ overflow and without pre-ping, a pure ASGI metrics middleware.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +29,8 @@ from typing import Any
 import sqlalchemy as sa
 import sqlalchemy.exc
 from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -199,6 +202,15 @@ async def _database_unavailable(request: Request, exc: Exception) -> JSONRespons
     )
 
 
+async def _invalid_request(request: Request, exc: Exception) -> Response:
+    """422 with pydantic's errors, as FastAPI's own handler answers, but as ASCII JSON: the
+    errors echo the input, and a lone surrogate (a JSON ``"\\ud800"`` in the body) has no
+    UTF-8 form, so FastAPI's rendering raised UnicodeEncodeError and the client got a 500."""
+    assert isinstance(exc, RequestValidationError)
+    body = json.dumps({"detail": jsonable_encoder(exc.errors())}, ensure_ascii=True)
+    return Response(body, status_code=422, media_type="application/json")
+
+
 def service_app(
     title: str, database_url: Callable[[], str], metadata: sa.MetaData, migrate: bool
 ) -> tuple[FastAPI, Callable[[], AsyncEngine]]:
@@ -241,6 +253,7 @@ def service_app(
         return current
 
     app = FastAPI(title=title, lifespan=lifespan)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(sqlalchemy.exc.DBAPIError, _database_unavailable)
     app.add_exception_handler(sqlalchemy.exc.TimeoutError, _database_unavailable)
     install_health_and_metrics(app, title, current_engine)

@@ -109,6 +109,23 @@ async def test_bad_keys_and_bodies_are_4xx_with_a_message(orders: httpx.AsyncCli
     assert (await orders.get("/orders/not-a-uuid")).status_code == 422
 
 
+async def test_a_nul_or_a_lone_surrogate_in_a_field_is_a_422_not_a_500(
+    orders: httpx.AsyncClient, payments: httpx.AsyncClient
+) -> None:
+    # Before: the 422 echoes the input, and FastAPI's UTF-8 rendering of a lone surrogate
+    # raised UnicodeEncodeError (a 500). A NUL was a 422 already.
+    headers = {"Idempotency-Key": "ok", "content-type": "application/json"}
+    for field in ('"c\\u0000"', '"c\\ud800"'):
+        raw = f'{{"customer_id": {field}, "amount": "1.00"}}'.encode()
+        response = await orders.post("/orders", content=raw, headers=headers)
+        assert response.status_code == 422, (raw, response.text)
+        assert response.json()["detail"][0]["loc"] == ["body", "customer_id"]
+    raw = b'{"amount": "\\ud800"}'
+    response = await payments.post("/wallets/c1/top-up", content=raw, headers=headers)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["body", "amount"]
+
+
 async def test_top_up_is_idempotent(payments: httpx.AsyncClient) -> None:
     customer = f"c-{uuid.uuid4().hex[:8]}"
     assert (await payments.get(f"/wallets/{customer}")).status_code == 404
