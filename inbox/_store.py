@@ -35,6 +35,18 @@ class ClaimResult(enum.Enum):
 #: ``last_error`` is cut to this many characters; the full text goes to the dead-letter topic.
 MAX_ERROR_CHARS = 2000
 
+
+def _storable(text: str) -> str:
+    """``text`` as PostgreSQL ``text`` can hold it: NUL as U+FFFD, a lone surrogate as its
+    ``\\udcff`` escape. An error message is any exception's text (a handler's too): with
+    either, writing the dead-letter row failed on every retry and stopped the partition."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\ufffd")
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 # {table} is the validated (schema-qualified) table name. Status numbers are InboxStatus
 # values (1 DONE, 2 DEAD_LETTERED, 3 REPLAY_REQUESTED); a unit test pins them.
 
@@ -207,7 +219,7 @@ class InboxStore:
         requested; a DONE row and an earlier DEAD_LETTERED one are left as they are. Caller
         commits."""
         values = self._values(event_id, event_type, record)
-        values.update(attempts=attempts, last_error=error[:MAX_ERROR_CHARS])
+        values.update(attempts=attempts, last_error=_storable(error[:MAX_ERROR_CHARS]))
         await tx.execute(self._fail, values)
 
     async def request_replay(self, engine: AsyncEngine, event_ids: list[uuid.UUID]) -> int:

@@ -627,6 +627,43 @@ async def test_c13_nul_in_ce_type_is_dead_lettered_with_its_inbox_row_not_a_stal
     assert stored_type == "Order\ufffdPlaced"
 
 
+@pytest.mark.parametrize("message", ["card \x00 refused", "card \udcff refused"])
+async def test_c13_a_handler_error_with_a_nul_or_a_lone_surrogate_is_dead_lettered_not_a_stall(
+    database_url: str, engine: Engine, kafka_bootstrap: str, message: str
+) -> None:
+    # Before: last_error was the exception's raw text; PostgreSQL text cannot hold either
+    # character, psycopg refused it client-side (no SQLSTATE: ENVIRONMENT) and the
+    # dead-letterer retried without bound: the partition stopped for good.
+    from ledgerbox.inbox.testing import InMemoryDeadLetterPublisher
+
+    group = f"c13d-{uuid.uuid4().hex[:8]}"
+    parked = InMemoryDeadLetterPublisher()
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=["orders"],
+            database_url=database_url,
+            kafka_bootstrap_servers=kafka_bootstrap,
+            max_attempts=1,
+        ),
+        dead_letters=parked,
+    )
+
+    @consumer.handler("OrderPlaced")
+    async def refuse(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        raise ValueError(message)
+
+    event = order_event("orders", "S1")
+    try:
+        outcome = await asyncio.wait_for(consumer.process_record(record_for(event)), 20)
+    finally:
+        await consumer.aclose()
+    assert outcome is Outcome.DEAD_LETTERED and len(parked.records) == 1
+    [(event_id, status, error)] = inbox_rows(engine, group)
+    assert (event_id, status) == (event.event_id, InboxStatus.DEAD_LETTERED)
+    assert error is not None and error.startswith("ValueError: card ") and "refused" in error
+
+
 async def test_c13_handler_failing_for_good_is_dead_lettered_with_failed_inbox_row(
     database_url: str, engine: Engine, kafka_bootstrap: str
 ) -> None:
