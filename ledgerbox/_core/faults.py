@@ -148,7 +148,8 @@ def driver_fault(exc: BaseException) -> tuple[Fault, str | None, str | None] | N
     The SQLSTATE comes from psycopg (``exc.sqlstate``, also under SQLAlchemy's ``.orig``);
     ``constraint`` is ``diag.constraint_name`` when the server named one. Errors without a
     SQLSTATE are client side: a lost, refused or timed-out connection, an invalidated pooled
-    connection, a pool timeout (all :attr:`Fault.ENVIRONMENT`).
+    connection, a pool timeout (all :attr:`Fault.ENVIRONMENT`), except psycopg's own
+    ``DataError`` (a parameter it cannot send, e.g. text with a NUL: :attr:`Fault.MESSAGE`).
     """
     chain = _chain(exc)
     if not any(_is_sqlalchemy_error(e) or _is_psycopg_error(e) for e in chain):
@@ -159,6 +160,11 @@ def driver_fault(exc: BaseException) -> tuple[Fault, str | None, str | None] | N
             diag = getattr(item, "diag", None)
             constraint = getattr(diag, "constraint_name", None)
             return sqlstate_fault(state), state, constraint if isinstance(constraint, str) else None
+    if any(type(item).__name__ == "DataError" and _is_psycopg_error(item) for item in chain):
+        # psycopg refused a parameter before sending it (a NUL in a text value): the
+        # data's fault, as the server's class 22 is; as ENVIRONMENT it was retried without
+        # bound (a consumer's partition stopped for good on one such record).
+        return _MSG, None, None
     top = type(exc).__name__
     if top in {"PendingRollbackError", "ResourceClosedError", "InvalidRequestError"}:
         # SQLAlchemy session state (a flush failed earlier in this transaction): a fresh

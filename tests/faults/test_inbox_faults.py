@@ -664,6 +664,43 @@ async def test_c13_a_handler_error_with_a_nul_or_a_lone_surrogate_is_dead_letter
     assert error is not None and error.startswith("ValueError: card ") and "refused" in error
 
 
+async def test_c13_a_handler_writing_a_nul_is_dead_lettered_not_a_stall(
+    database_url: str, engine: Engine, kafka_bootstrap: str
+) -> None:
+    # Before: psycopg refuses a NUL in a text parameter client-side (DataError without a
+    # SQLSTATE), which was classified ENVIRONMENT: retried without bound, partition down.
+    from ledgerbox.inbox.testing import InMemoryDeadLetterPublisher
+
+    group = f"c13e-{uuid.uuid4().hex[:8]}"
+    parked = InMemoryDeadLetterPublisher()
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=["orders"],
+            database_url=database_url,
+            kafka_bootstrap_servers=kafka_bootstrap,
+        ),
+        dead_letters=parked,
+    )
+
+    @consumer.handler("OrderPlaced")
+    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        await ctx.session.execute(
+            sa.insert(payments).values(consumer_group=group, order_id="N\x00", amount=1)
+        )
+
+    event = order_event("orders", "N2")
+    try:
+        outcome = await asyncio.wait_for(consumer.process_record(record_for(event)), 20)
+    finally:
+        await consumer.aclose()
+    assert outcome is Outcome.DEAD_LETTERED and len(parked.records) == 1
+    assert paid(engine, group) == []
+    [(event_id, status, error)] = inbox_rows(engine, group)
+    assert (event_id, status) == (event.event_id, InboxStatus.DEAD_LETTERED)
+    assert error is not None and "NUL" in error
+
+
 async def test_c13_handler_failing_for_good_is_dead_lettered_with_failed_inbox_row(
     database_url: str, engine: Engine, kafka_bootstrap: str
 ) -> None:

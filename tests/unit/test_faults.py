@@ -71,6 +71,13 @@ def test_driver_errors_are_found_through_sqlalchemy_and_causes() -> None:
         assert driver_fault(outer) == (ENV, "25006", None)
 
 
+def test_a_parameter_psycopg_refuses_client_side_is_the_messages_fault() -> None:
+    # Before: ENVIRONMENT (no SQLSTATE), retried without bound.
+    refused = psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")
+    assert driver_fault(refused) == (MSG, None, None)
+    assert driver_fault(wrapped(refused)) == (MSG, None, None)
+
+
 def test_what_is_not_a_driver_error_is_left_to_the_caller() -> None:
     assert driver_fault(ValueError("42P01")) is None
     assert driver_fault(KeyError("amount")) is None
