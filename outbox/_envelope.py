@@ -201,7 +201,8 @@ def one_line(exc: ValidationError) -> str:
         where = ".".join(str(part) for part in error["loc"])
         message = error["msg"].removeprefix("Value error, ")
         parts.append(f"{where}: {message}" if where else message)
-    return "; ".join(parts)
+    # A payload key or header name in the path may hold a line break: one line still.
+    return "; ".join(parts).replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _check_values(value: Any, path: str) -> None:

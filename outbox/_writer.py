@@ -17,11 +17,12 @@ from typing import Any
 import sqlalchemy as sa
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
-from sqlalchemy.orm import Session
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
+from sqlalchemy.orm import Session, scoped_session
 
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.faults import Fault, driver_fault
+from ledgerbox._core.identifiers import kafka_topic
 from ledgerbox._core.plan import Plan, arun_plan, run_plan
 from ledgerbox.outbox._envelope import (
     EventEnvelope,
@@ -79,6 +80,17 @@ class Staged:
 
     created: bool
     event: EventEnvelope
+
+
+#: What :meth:`OutboxWriter.stage` writes through: a session (or a registry of sessions), whose
+#: flush writes the rows, or a Core connection, which writes them at once.
+_Target = (
+    Session
+    | AsyncSession
+    | scoped_session[Session]
+    | async_scoped_session[AsyncSession]
+    | Connection
+)
 
 
 class OutboxWriter:
@@ -178,7 +190,7 @@ class OutboxWriter:
             ``create <topic>`` (child of the active span, ended at once); without one, that
             of the active span, if any (docs/observability.md, "Spans").
         topic : str | None
-            Overrides the router.
+            Overrides the router; must be a legal Kafka topic name.
 
         Raises
         ------
@@ -204,6 +216,16 @@ class OutboxWriter:
             and (occurred_at - now).total_seconds() > self.max_future_s
         ):
             raise FutureEventTimeError(occurred_at, self.max_future_s)
+        if not isinstance(idempotency_key, str):
+            raise EventValidationError(
+                f"invalid event {event_type!r}: idempotency_key must be a str, got "
+                f"{type(idempotency_key).__name__} (derive one with idempotency_key(...))"
+            )
+        if topic is not None:
+            try:
+                kafka_topic(topic)
+            except ConfigurationError as exc:
+                raise EventValidationError(f"invalid event {event_type!r}: {exc}") from None
         json_payload = to_json_payload(payload)
         if event_id is None:
             try:  # uuid5 encodes the key: a lone surrogate raised a bare UnicodeEncodeError
@@ -241,7 +263,7 @@ class OutboxWriter:
 
     # -- staging ----------------------------------------------------------------------------
 
-    def stage(self, target: Session | AsyncSession | Connection, event: EventEnvelope) -> None:
+    def stage(self, target: _Target, event: EventEnvelope) -> None:
         """Stage one event in the caller's transaction. Never flushes, never commits.
 
         With a ``Session`` or ``AsyncSession`` this only calls ``session.add`` (no I/O; the
@@ -262,9 +284,7 @@ class OutboxWriter:
         """
         self.stage_many(target, (event,))
 
-    def stage_many(
-        self, target: Session | AsyncSession | Connection, events: Iterable[EventEnvelope]
-    ) -> None:
+    def stage_many(self, target: _Target, events: Iterable[EventEnvelope]) -> None:
         """Stage several events in order, as :meth:`stage` (one INSERT executemany at the flush,
         or now on a Core ``Connection``).
 
@@ -279,6 +299,8 @@ class OutboxWriter:
         if isinstance(target, Connection):
             self._insert_rows(target, pairs)
             return
+        if isinstance(target, scoped_session | async_scoped_session):
+            target = target()  # the registry's current session
         session = target.sync_session if isinstance(target, AsyncSession) else target
         objects = [self.table.row_class(**row) for row, _ in pairs]
         for obj, pair in zip(objects, pairs, strict=True):
@@ -288,7 +310,9 @@ class OutboxWriter:
         staged.extend((self, obj) for obj in objects)
         session.add_all(objects)
 
-    def stage_once(self, target: Session | Connection, event: EventEnvelope) -> Staged:
+    def stage_once(
+        self, target: Session | scoped_session[Session] | Connection, event: EventEnvelope
+    ) -> Staged:
         """Insert the event now unless its idempotency key exists; never commits.
 
         Runs ``INSERT ... ON CONFLICT DO NOTHING`` in the caller's open transaction (one round
@@ -323,6 +347,9 @@ class OutboxWriter:
             would have failed; the session must be rolled back, nothing of it commits.
         """
 
+        if isinstance(target, scoped_session):
+            target = target()  # the thread's Session (stage's session.add goes to it too)
+
         def execute(query: _Query) -> sa.Result[Any]:
             if query.driver is not None:
                 conn = (
@@ -341,10 +368,14 @@ class OutboxWriter:
         return run_plan(self._stage_once_plan(event), execute)
 
     async def astage_once(
-        self, target: AsyncSession | AsyncConnection, event: EventEnvelope
+        self,
+        target: AsyncSession | async_scoped_session[AsyncSession] | AsyncConnection,
+        event: EventEnvelope,
     ) -> Staged:
         """The ``async`` form of :meth:`stage_once` for ``AsyncSession`` / ``AsyncConnection``
         (the same statements, results and errors: both run one plan)."""
+        if isinstance(target, async_scoped_session):
+            target = target()
 
         async def execute(query: _Query) -> sa.Result[Any]:
             if query.driver is not None:

@@ -15,8 +15,13 @@ import sqlalchemy as sa
 from pydantic import AwareDatetime, BaseModel
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_scoped_session,
+    async_sessionmaker,
+)
+from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from ledgerbox import migrations
 from ledgerbox.outbox import (
@@ -656,3 +661,37 @@ def test_stage_once_in_a_rolled_back_savepoint_keeps_the_events_staged_before_it
     with engine.connect() as conn:
         keys = conn.execute(sa.text("SELECT idempotency_key FROM outbox ORDER BY id")).scalars()
         assert keys.all() == ["k-98", "k-100"]
+
+
+def test_stage_and_stage_once_through_a_scoped_session(engine: Engine) -> None:
+    """A ``scoped_session`` (the registry most web apps use) is accepted by both; stage_once
+    raised AttributeError ('scoped_session' object has no attribute 'dialect')."""
+    registry = scoped_session(sessionmaker(engine))
+    try:
+        with registry.begin():
+            WRITER.stage(registry, _event(95, key="k-96"))
+            assert WRITER.stage_once(registry, _event(95, {"n": 2}, key="k-97")).created
+        assert not WRITER.stage_once(registry, _event(95, {"n": 2}, key="k-97")).created
+        registry.rollback()
+    finally:
+        registry.remove()
+    with engine.connect() as conn:
+        keys = conn.execute(sa.text("SELECT idempotency_key FROM outbox ORDER BY id")).scalars()
+        assert keys.all() == ["k-96", "k-97"]
+
+
+async def test_astage_once_through_an_async_scoped_session(
+    async_engine: AsyncEngine, engine: Engine
+) -> None:
+    registry = async_scoped_session(
+        async_sessionmaker(async_engine), scopefunc=asyncio.current_task
+    )
+    try:
+        async with registry.begin():
+            WRITER.stage(registry, _event(96, key="k-98"))
+            assert (await WRITER.astage_once(registry, _event(96, {"n": 2}, key="k-99"))).created
+    finally:
+        await registry.remove()
+    with engine.connect() as conn:
+        keys = conn.execute(sa.text("SELECT idempotency_key FROM outbox ORDER BY id")).scalars()
+        assert keys.all() == ["k-98", "k-99"]

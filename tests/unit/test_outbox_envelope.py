@@ -439,3 +439,21 @@ def test_a_record_whose_json_decodes_to_unstorable_text_is_a_parse_error(value: 
     key, _, headers = kafka_parts(event)
     with pytest.raises(EnvelopeParseError, match=r"NUL character|lone surrogate"):
         envelope_from_kafka("t", key, value, headers)
+
+
+def test_a_wrong_key_type_a_bad_explicit_topic_and_a_line_break_are_typed_one_line_errors() -> None:
+    writer = OutboxWriter(TopicRouter(default="orders.events"), source="/svc")
+    args: dict[str, Any] = {
+        "event_type": "OrderPlaced",
+        "aggregate_type": "order",
+        "aggregate_id": "1",
+        "payload": {"a": 1},
+        "idempotency_key": "k",
+    }
+    with pytest.raises(EventValidationError, match="idempotency_key must be a str, got int"):
+        writer.event(**{**args, "idempotency_key": 123})  # was a bare TypeError from uuid5
+    with pytest.raises(EventValidationError, match="not a legal Kafka topic name"):
+        writer.event(**args, topic="bad topic!")  # was accepted; the relay's send failed
+    with pytest.raises(EventValidationError) as caught:
+        writer.event(**{**args, "payload": {"line\nbreak": "\x00"}})
+    assert "\n" not in str(caught.value) and "line\\nbreak" in str(caught.value)
