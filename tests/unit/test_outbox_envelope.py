@@ -457,3 +457,27 @@ def test_a_wrong_key_type_a_bad_explicit_topic_and_a_line_break_are_typed_one_li
     with pytest.raises(EventValidationError) as caught:
         writer.event(**{**args, "payload": {"line\nbreak": "\x00"}})
     assert "\n" not in str(caught.value) and "line\\nbreak" in str(caught.value)
+
+
+_any_text = st.text(st.characters(codec=None), max_size=6) | st.sampled_from(["\x00", "\ud800"])
+_any_json = st.recursive(
+    st.none() | st.integers() | _any_text,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(_any_text, inner, max_size=4)
+    ),
+    max_leaves=10,
+)
+
+
+@given(value=_any_json)
+def test_the_fast_storable_test_agrees_with_the_walk_that_names_the_place(value: object) -> None:
+    from ledgerbox.outbox._envelope import _all_storable, _check_strings
+
+    try:
+        _check_strings(value, "payload")
+        named = True
+    except ValueError:
+        named = False
+    assert _all_storable(value) is named
