@@ -74,10 +74,12 @@ class RelayConfig:
     shard_count : int
         Number of shards; must equal the writers' ``OutboxTable.shard_count`` (default 64).
     claim_linger_ms : int
-        Most a claim waits for more events to gather, in milliseconds (default 5, 0..50):
-        in a stream of events a lane claims at most once per ``claim_linger_ms`` instead of
-        once per NOTIFY; no wait when the previous claim started longer ago (a lone event
-        goes out at once) or came back full (docs/relay.md, "Wake-up and pacing").
+        Most a claim waits for more events to gather, in milliseconds (default 20, 0..50):
+        in a stream of events a lane claims at most once per linger instead of once per
+        NOTIFY, the linger growing with the lane's event rate up to this bound (reached at
+        1,000 events/s; at 100 events/s it is a tenth); no wait when the previous claim
+        started longer ago (a lone event goes out at once) or came back full
+        (docs/relay.md, "Wake-up and pacing").
     linger_ms : int
         Producer linger, in milliseconds (default 0). The relay hands the producer complete
         record batches (one per partition per claimed batch), so waiting for more records
@@ -123,7 +125,7 @@ class RelayConfig:
     retention_s: float = 7 * 86400.0
     relay_id: str | None = None
     shard_count: int = DEFAULT_SHARD_COUNT
-    claim_linger_ms: int = 5
+    claim_linger_ms: int = 20
     linger_ms: int = 0
     producer_batch_bytes: int = 262_144
     request_timeout_ms: int = 30_000
