@@ -42,7 +42,8 @@ def runner(choice: str) -> Callable[[Coroutine[Any, Any, T]], T]:
     ------
     SettingsError
         (a ``ConfigurationError``) ``choice`` is not one of :data:`EVENT_LOOPS`, or is
-        ``"uvloop"`` and uvloop is not installed.
+        ``"uvloop"`` and uvloop is not installed, cannot be imported or is older than 0.18
+        (no ``uvloop.run``). ``"auto"`` never raises for uvloop: it falls back to asyncio.
     """
     if choice not in EVENT_LOOPS:
         raise SettingsError(
@@ -53,13 +54,23 @@ def runner(choice: str) -> Callable[[Coroutine[Any, Any, T]], T]:
         return asyncio.run
     try:
         import uvloop
-    except ImportError:
+    except ImportError as exc:
+        if choice == "auto":  # installed but not importable (a broken wheel): asyncio's loop
+            return asyncio.run
         raise SettingsError(
-            "event_loop is uvloop but uvloop is not installed: pip install 'ledgerbox[uvloop]'"
-            " (or use auto or asyncio)",
+            f"event_loop is uvloop but uvloop cannot be imported ({exc}): pip install"
+            " 'ledgerbox[uvloop]' (or use auto or asyncio)",
             setting="event_loop",
         ) from None
-    run: Callable[[Coroutine[Any, Any, T]], T] = uvloop.run
+    run: Callable[[Coroutine[Any, Any, T]], T] | None = getattr(uvloop, "run", None)
+    if run is None:  # uvloop.run came with 0.18; an older one (e.g. another package's pin)
+        if choice == "auto":
+            return asyncio.run
+        raise SettingsError(
+            f"event_loop is uvloop but uvloop {getattr(uvloop, '__version__', '?')} is too old"
+            " (0.19 or later): pip install 'ledgerbox[uvloop]' (or use auto or asyncio)",
+            setting="event_loop",
+        )
     return run
 
 

@@ -473,3 +473,31 @@ def test_the_event_loop_setting_picks_the_loop_and_refuses_what_it_cannot_run(
     monkeypatch.setitem(sys.modules, "uvloop", None)  # importing it raises ImportError
     with pytest.raises(SettingsError, match=r"pip install 'ledgerbox\[uvloop\]'"):
         event_loop.runner("uvloop")
+
+
+def test_auto_falls_back_to_asyncio_when_the_installed_uvloop_cannot_run_the_daemon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An uvloop older than 0.18 (no ``uvloop.run``; another package's pin, e.g. an old
+    ``uvicorn[standard]``) or one that fails to import made the default ``auto`` crash with
+    a traceback or refuse to start ("uvloop is not installed ... (got 'auto')"): ``auto``
+    runs on asyncio's loop then, and ``uvloop`` says what is wrong in one line."""
+    import asyncio
+    import sys
+    import types
+
+    from ledgerbox._core import event_loop
+    from ledgerbox._core.settings import SettingsError
+
+    old = types.ModuleType("uvloop")
+    old.__version__ = "0.17.0"  # type: ignore[attr-defined]
+    monkeypatch.setattr(event_loop, "_has_uvloop", lambda: True)
+    monkeypatch.setitem(sys.modules, "uvloop", old)
+    assert event_loop.runner("auto") is asyncio.run, "uvloop without run(): asyncio's loop"
+    with pytest.raises(SettingsError, match=r"uvloop 0\.17\.0 is too old") as too_old:
+        event_loop.runner("uvloop")
+    assert "\n" not in str(too_old.value)
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # found on the path, import fails
+    assert event_loop.runner("auto") is asyncio.run, "a broken uvloop: asyncio's loop"
+    with pytest.raises(SettingsError, match="uvloop cannot be imported"):
+        event_loop.runner("uvloop")
