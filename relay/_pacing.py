@@ -73,8 +73,10 @@ class ClaimPacer:
 
     def claimed(self, rows: int) -> None:
         """The claim that began last returned ``rows`` rows: what committed since the claim
-        before it began, so ``rows`` over that interval is the rate it saw."""
-        self._last_full = rows >= self.batch_size
+        before it began, so ``rows`` over that interval is the rate it saw. Not after a full
+        claim: that one left rows behind, so this one's rows are older too (the backlog's
+        drain speed, not the rate events commit at) and the rate stays as it was."""
+        after_full, self._last_full = self._last_full, rows >= self.batch_size
         interval = self._last_start - self._previous_start
-        if interval > 0 and interval != float("inf"):
+        if not after_full and interval > 0 and interval != float("inf"):
             self._rate += _RATE_WEIGHT * (rows / interval - self._rate)

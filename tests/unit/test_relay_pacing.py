@@ -74,3 +74,24 @@ def test_a_full_claim_is_followed_at_once_and_zero_disables_it() -> None:
     off = ClaimPacer(0.0, 1000)
     _stream(off, 2000.0, claims=10)
     assert off.delay_s(200.0) == 0.0
+
+
+def test_after_a_backlog_the_linger_is_the_stream_rate_not_the_drain_rate() -> None:
+    """A claim that follows a full claim finds rows older than the claim before it began (the
+    backlog's rest): its rows over the interval are the relay's drain speed (~65,000 rows/s
+    here), not the rate events commit at. Counted, they kept the whole 20 ms linger for a
+    100 events/s stream for ~35 claims (~0.5 s, 12 ms mean wait) after every backlog."""
+    pacer = ClaimPacer(0.020, 1000)
+    last = _stream(pacer, 100.0, claims=80)
+    steady = pacer.linger_for_rate_s()
+    assert steady == pytest.approx(0.002, rel=0.25)
+    now = last + 5.0  # an outage: a backlog drains in full claims 15 ms apart
+    for _ in range(20):
+        pacer.started(now)
+        pacer.claimed(1000)
+        now += 0.015
+    pacer.started(now)
+    pacer.claimed(300)  # the backlog's rest: the first partial claim
+    assert pacer.linger_for_rate_s() == pytest.approx(steady, rel=0.25)
+    _stream(pacer, 100.0, claims=3, start=now + 0.010)
+    assert pacer.linger_for_rate_s() == pytest.approx(0.002, rel=0.25)
