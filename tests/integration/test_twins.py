@@ -184,7 +184,12 @@ async def warm(engine: Engine, async_engine: AsyncEngine) -> None:
 
 # -- signatures ----------------------------------------------------------------------------
 
-ASYNC_TYPES = {"AsyncSession": "Session", "AsyncConnection": "Connection", "AsyncEngine": "Engine"}
+ASYNC_TYPES = {
+    "async_scoped_session": "scoped_session",
+    "AsyncSession": "Session",
+    "AsyncConnection": "Connection",
+    "AsyncEngine": "Engine",
+}
 
 
 def _as_sync(annotation: Any) -> Any:
