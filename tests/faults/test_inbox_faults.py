@@ -586,16 +586,14 @@ async def test_c13_poison_record_dead_lettered_and_partition_moves_on(
     assert [o for o, _ in paid(engine, group)] == ["E1", "E2", "E3"]
 
 
-async def test_c13_nul_in_ce_type_is_dead_lettered_with_its_inbox_row_not_a_stall(
-    database_url: str, engine: Engine, kafka_bootstrap: str
-) -> None:
-    # Before: since a NUL makes a record unparseable, its inbox row was written with the raw
-    # ce_type; psycopg refused the NUL client-side (no SQLSTATE: an ENVIRONMENT fault), so
-    # the dead-letterer retried it without bound and the partition stopped for good (health
-    # down). The record was already on the dead-letter topic.
-    from ledgerbox.inbox.testing import FakeRecord, InMemoryDeadLetterPublisher
+def _parked_consumer(
+    database_url: str, kafka_bootstrap: str, prefix: str, **config: Any
+) -> tuple[InboxConsumer, Any, str]:
+    """A consumer of "orders" in a new group whose dead letters go to an in-memory publisher:
+    (consumer, publisher, group)."""
+    from ledgerbox.inbox.testing import InMemoryDeadLetterPublisher
 
-    group = f"c13c-{uuid.uuid4().hex[:8]}"
+    group = f"{prefix}-{uuid.uuid4().hex[:8]}"
     parked = InMemoryDeadLetterPublisher()
     consumer = InboxConsumer(
         ConsumerConfig(
@@ -603,9 +601,23 @@ async def test_c13_nul_in_ce_type_is_dead_lettered_with_its_inbox_row_not_a_stal
             topics=["orders"],
             database_url=database_url,
             kafka_bootstrap_servers=kafka_bootstrap,
+            **config,
         ),
         dead_letters=parked,
     )
+    return consumer, parked, group
+
+
+async def test_c13_nul_in_ce_type_is_dead_lettered_with_its_inbox_row_not_a_stall(
+    database_url: str, engine: Engine, kafka_bootstrap: str
+) -> None:
+    # Before: since a NUL makes a record unparseable, its inbox row was written with the raw
+    # ce_type; psycopg refused the NUL client-side (no SQLSTATE: an ENVIRONMENT fault), so
+    # the dead-letterer retried it without bound and the partition stopped for good (health
+    # down). The record was already on the dead-letter topic.
+    from ledgerbox.inbox.testing import FakeRecord
+
+    consumer, parked, group = _parked_consumer(database_url, kafka_bootstrap, "c13c")
     event = order_event("orders", "N1")
     key, value, headers = kafka_parts(event)
     headers = [(k, b"Order\x00Placed" if k == "ce_type" else v) for k, v in headers]
@@ -634,19 +646,8 @@ async def test_c13_a_handler_error_with_a_nul_or_a_lone_surrogate_is_dead_letter
     # Before: last_error was the exception's raw text; PostgreSQL text cannot hold either
     # character, psycopg refused it client-side (no SQLSTATE: ENVIRONMENT) and the
     # dead-letterer retried without bound: the partition stopped for good.
-    from ledgerbox.inbox.testing import InMemoryDeadLetterPublisher
-
-    group = f"c13d-{uuid.uuid4().hex[:8]}"
-    parked = InMemoryDeadLetterPublisher()
-    consumer = InboxConsumer(
-        ConsumerConfig(
-            group_id=group,
-            topics=["orders"],
-            database_url=database_url,
-            kafka_bootstrap_servers=kafka_bootstrap,
-            max_attempts=1,
-        ),
-        dead_letters=parked,
+    consumer, parked, group = _parked_consumer(
+        database_url, kafka_bootstrap, "c13d", max_attempts=1
     )
 
     @consumer.handler("OrderPlaced")
@@ -669,19 +670,7 @@ async def test_c13_a_handler_writing_a_nul_is_dead_lettered_not_a_stall(
 ) -> None:
     # Before: psycopg refuses a NUL in a text parameter client-side (DataError without a
     # SQLSTATE), which was classified ENVIRONMENT: retried without bound, partition down.
-    from ledgerbox.inbox.testing import InMemoryDeadLetterPublisher
-
-    group = f"c13e-{uuid.uuid4().hex[:8]}"
-    parked = InMemoryDeadLetterPublisher()
-    consumer = InboxConsumer(
-        ConsumerConfig(
-            group_id=group,
-            topics=["orders"],
-            database_url=database_url,
-            kafka_bootstrap_servers=kafka_bootstrap,
-        ),
-        dead_letters=parked,
-    )
+    consumer, parked, group = _parked_consumer(database_url, kafka_bootstrap, "c13e")
 
     @consumer.handler("OrderPlaced")
     async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:

@@ -388,6 +388,13 @@ def test_the_writers_own_sql_is_used_with_psycopg_3_only() -> None:
 
 
 _BAD_TEXT = ["\x00", "a\x00b", "\ud800", "x\udfffy"]
+_EVENT_ARGS: dict[str, Any] = {
+    "event_type": "OrderPlaced",
+    "aggregate_type": "order",
+    "aggregate_id": "1",
+    "payload": {"a": 1},
+    "idempotency_key": "k",
+}
 
 
 @pytest.mark.parametrize("bad", _BAD_TEXT)
@@ -402,13 +409,7 @@ def test_unstorable_text_anywhere_in_an_event_is_a_typed_error_at_event(
     """A NUL (PostgreSQL text and jsonb refuse it) or a lone surrogate (no UTF-8 form) failed
     the flush with a raw DataError / UnicodeEncodeError; now event() refuses it, one line."""
     writer = OutboxWriter(TopicRouter(default="orders.events"), source="/svc")
-    args: dict[str, Any] = {
-        "event_type": "OrderPlaced",
-        "aggregate_type": "order",
-        "aggregate_id": "1",
-        "payload": {"a": 1},
-        "idempotency_key": "k",
-    }
+    args: dict[str, Any] = dict(_EVENT_ARGS)
     if where in ("idempotency_key", "event_type", "aggregate_id"):
         args[where] = bad
     elif where == "header name":
@@ -443,13 +444,7 @@ def test_a_record_whose_json_decodes_to_unstorable_text_is_a_parse_error(value: 
 
 def test_a_wrong_key_type_a_bad_explicit_topic_and_a_line_break_are_typed_one_line_errors() -> None:
     writer = OutboxWriter(TopicRouter(default="orders.events"), source="/svc")
-    args: dict[str, Any] = {
-        "event_type": "OrderPlaced",
-        "aggregate_type": "order",
-        "aggregate_id": "1",
-        "payload": {"a": 1},
-        "idempotency_key": "k",
-    }
+    args: dict[str, Any] = dict(_EVENT_ARGS)
     with pytest.raises(EventValidationError, match="idempotency_key must be a str, got int"):
         writer.event(**{**args, "idempotency_key": 123})  # was a bare TypeError from uuid5
     with pytest.raises(EventValidationError, match="not a legal Kafka topic name"):
