@@ -113,8 +113,7 @@ class KafkaRunner:
             for task in background:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            with contextlib.suppress(KafkaError):
-                await kafka.stop()
+            await _stop_client(kafka)
             self.kafka = None
 
     def _client(self) -> AIOKafkaConsumer:
@@ -261,6 +260,24 @@ class KafkaRunner:
             store = deps.dedup or deps.lock
             if store is not None:
                 await deps.gate.probe(store.ping)
+
+
+async def _stop_client(kafka: AIOKafkaConsumer) -> None:
+    """Stop the aiokafka client; a broker that is away is not an error at shutdown.
+
+    With the broker down, aiokafka's ``stop()`` lets the ``CancelledError`` of its own
+    in-flight fetch escape (``Fetcher.close`` cancels and awaits it): the consumer stopped by
+    SIGTERM during a Kafka outage then exited 1 with a traceback. That one is absorbed; a
+    cancellation of this task itself still propagates (``Task.cancelling()``)."""
+    try:
+        await kafka.stop()
+    except KafkaError:
+        pass
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        _log.debug("aiokafka's stop() raised its fetch task's CancelledError (broker away)")
 
 
 class _PartitionWorker:

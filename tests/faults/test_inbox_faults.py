@@ -526,6 +526,43 @@ async def test_c12_redis_outage_processes_through_db_and_recovers(
     assert len(outage_logs) == 1  # once per outage, not per message
 
 
+async def test_c15_a_consumer_stopped_while_kafka_is_down_returns_cleanly(
+    database_url: str,
+    engine: Engine,
+    kafka_bootstrap: str,
+    new_topic: Any,
+    services_script: str,
+) -> None:
+    """SIGTERM during a Kafka outage: ``run()`` must return, not raise. aiokafka's ``stop()``
+    let its own fetch task's CancelledError escape with the broker away, so the CLI exited 1
+    with a traceback (found by a reviewer: ``ledgerbox consumer run`` after ``stop-kafka``)."""
+    topic = await new_topic.acreate("c15", partitions=1)
+    group = f"c15-{uuid.uuid4().hex[:8]}"
+    consumer = consumer_for(database_url, kafka_bootstrap, topic, group)
+    task = asyncio.create_task(consumer.run())
+    try:
+        await produce(kafka_bootstrap, topic, [order_event(topic, "K0")])
+
+        async def applied() -> bool:
+            assert not task.done(), task
+            return len(paid(engine, group)) >= 1
+
+        await poll(applied, "K0 applied before the outage")
+        services(services_script, "stop-kafka")
+        try:
+            await asyncio.sleep(3)  # the fetcher now fails against the missing broker
+            consumer.stop()
+            await asyncio.wait_for(asyncio.shield(task), 90)
+        finally:
+            services(services_script, "start-kafka")
+    finally:
+        consumer.stop()
+        if not task.done():
+            await asyncio.wait_for(task, 90)
+    assert not task.cancelled() and task.exception() is None
+    assert [order for order, _ in paid(engine, group)] == ["K0"]
+
+
 # --------------------------------------------------------------------------- C13
 
 
