@@ -95,8 +95,12 @@ def consumer_for(
     *,
     hooks: ConsumerHooks | None = None,
     hold_s: float = 0.0,
+    dead_letters: Any = None,
+    pays: bool = True,
     **extra: Any,
 ) -> InboxConsumer:
+    """A consumer of ``topic`` in ``group``; with ``pays`` its OrderPlaced handler inserts
+    a payment (without it, the test registers its own handler)."""
     consumer = InboxConsumer(
         ConsumerConfig(
             group_id=group,
@@ -107,7 +111,10 @@ def consumer_for(
             **extra,
         ),
         hooks=hooks,
+        dead_letters=dead_letters,
     )
+    if not pays:
+        return consumer
 
     @consumer.handler("OrderPlaced")
     async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
@@ -625,24 +632,40 @@ async def test_c13_poison_record_dead_lettered_and_partition_moves_on(
 
 def _parked_consumer(
     database_url: str, kafka_bootstrap: str, prefix: str, **config: Any
-) -> tuple[InboxConsumer, Any, str]:
+) -> tuple[InboxConsumer, Any]:
     """A consumer of "orders" in a new group whose dead letters go to an in-memory publisher:
-    (consumer, publisher, group)."""
+    (consumer, publisher)."""
     from ledgerbox.inbox.testing import InMemoryDeadLetterPublisher
 
     group = f"{prefix}-{uuid.uuid4().hex[:8]}"
     parked = InMemoryDeadLetterPublisher()
-    consumer = InboxConsumer(
-        ConsumerConfig(
-            group_id=group,
-            topics=["orders"],
-            database_url=database_url,
-            kafka_bootstrap_servers=kafka_bootstrap,
-            **config,
-        ),
+    consumer = consumer_for(
+        database_url,
+        kafka_bootstrap,
+        "orders",
+        group,
         dead_letters=parked,
+        pays=False,
+        **config,
     )
-    return consumer, parked, group
+    return consumer, parked
+
+
+async def _dead_lettered_once(
+    consumer: InboxConsumer, parked: Any, engine: Engine, event: EventEnvelope, record: Any
+) -> str:
+    """Process ``record`` (of ``event``) once, close the consumer, and check it was
+    dead-lettered - on the dead-letter publisher once, its inbox row DEAD_LETTERED - within
+    20 s (not retried without bound); returns the row's ``last_error``."""
+    try:
+        outcome = await asyncio.wait_for(consumer.process_record(record), 20)
+    finally:
+        await consumer.aclose()
+    assert outcome is Outcome.DEAD_LETTERED and len(parked.records) == 1
+    [(event_id, status, error)] = inbox_rows(engine, consumer.group_id)
+    assert (event_id, status) == (event.event_id, InboxStatus.DEAD_LETTERED)
+    assert error is not None
+    return str(error)
 
 
 async def test_c13_nul_in_ce_type_is_dead_lettered_with_its_inbox_row_not_a_stall(
@@ -654,21 +677,14 @@ async def test_c13_nul_in_ce_type_is_dead_lettered_with_its_inbox_row_not_a_stal
     # down). The record was already on the dead-letter topic.
     from ledgerbox.inbox.testing import FakeRecord
 
-    consumer, parked, group = _parked_consumer(database_url, kafka_bootstrap, "c13c")
+    consumer, parked = _parked_consumer(database_url, kafka_bootstrap, "c13c")
+    group = consumer.group_id
     event = order_event("orders", "N1")
     key, value, headers = kafka_parts(event)
     headers = [(k, b"Order\x00Placed" if k == "ce_type" else v) for k, v in headers]
-    try:
-        outcome = await asyncio.wait_for(
-            consumer.process_record(FakeRecord("orders", 0, 7, key, value, tuple(headers))), 20
-        )
-    finally:
-        await consumer.aclose()
-    assert outcome is Outcome.DEAD_LETTERED
-    assert len(parked.records) == 1
-    [(event_id, status, error)] = inbox_rows(engine, group)
-    assert (event_id, status) == (event.event_id, InboxStatus.DEAD_LETTERED)
-    assert error is not None and "event_type contains a NUL character" in error
+    record = FakeRecord("orders", 0, 7, key, value, tuple(headers))
+    error = await _dead_lettered_once(consumer, parked, engine, event, record)
+    assert "event_type contains a NUL character" in error
     with engine.connect() as conn:
         stored_type = conn.execute(
             sa.text("SELECT event_type FROM inbox WHERE consumer_group = :g"), {"g": group}
@@ -683,23 +699,15 @@ async def test_c13_a_handler_error_with_a_nul_or_a_lone_surrogate_is_dead_letter
     # Before: last_error was the exception's raw text; PostgreSQL text cannot hold either
     # character, psycopg refused it client-side (no SQLSTATE: ENVIRONMENT) and the
     # dead-letterer retried without bound: the partition stopped for good.
-    consumer, parked, group = _parked_consumer(
-        database_url, kafka_bootstrap, "c13d", max_attempts=1
-    )
+    consumer, parked = _parked_consumer(database_url, kafka_bootstrap, "c13d", max_attempts=1)
 
     @consumer.handler("OrderPlaced")
     async def refuse(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
         raise ValueError(message)
 
     event = order_event("orders", "S1")
-    try:
-        outcome = await asyncio.wait_for(consumer.process_record(record_for(event)), 20)
-    finally:
-        await consumer.aclose()
-    assert outcome is Outcome.DEAD_LETTERED and len(parked.records) == 1
-    [(event_id, status, error)] = inbox_rows(engine, group)
-    assert (event_id, status) == (event.event_id, InboxStatus.DEAD_LETTERED)
-    assert error is not None and error.startswith("ValueError: card ") and "refused" in error
+    error = await _dead_lettered_once(consumer, parked, engine, event, record_for(event))
+    assert error.startswith("ValueError: card ") and "refused" in error
 
 
 async def test_c13_a_handler_writing_a_nul_is_dead_lettered_not_a_stall(
@@ -707,7 +715,8 @@ async def test_c13_a_handler_writing_a_nul_is_dead_lettered_not_a_stall(
 ) -> None:
     # Before: psycopg refuses a NUL in a text parameter client-side (DataError without a
     # SQLSTATE), which was classified ENVIRONMENT: retried without bound, partition down.
-    consumer, parked, group = _parked_consumer(database_url, kafka_bootstrap, "c13e")
+    consumer, parked = _parked_consumer(database_url, kafka_bootstrap, "c13e")
+    group = consumer.group_id
 
     @consumer.handler("OrderPlaced")
     async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
@@ -716,15 +725,9 @@ async def test_c13_a_handler_writing_a_nul_is_dead_lettered_not_a_stall(
         )
 
     event = order_event("orders", "N2")
-    try:
-        outcome = await asyncio.wait_for(consumer.process_record(record_for(event)), 20)
-    finally:
-        await consumer.aclose()
-    assert outcome is Outcome.DEAD_LETTERED and len(parked.records) == 1
+    error = await _dead_lettered_once(consumer, parked, engine, event, record_for(event))
     assert paid(engine, group) == []
-    [(event_id, status, error)] = inbox_rows(engine, group)
-    assert (event_id, status) == (event.event_id, InboxStatus.DEAD_LETTERED)
-    assert error is not None and "NUL" in error
+    assert "NUL" in error
 
 
 async def test_c13_handler_failing_for_good_is_dead_lettered_with_failed_inbox_row(
