@@ -159,22 +159,8 @@ _TEXT_FIELDS = (
 )
 
 
-def check_text(value: str, path: str) -> None:
-    """Raise ``ValueError`` if ``value`` holds a NUL or a lone surrogate (PostgreSQL's text
-    and jsonb refuse the first, UTF-8 has no form for the second)."""
-    if "\x00" in value:
-        raise ValueError(f"{path} contains a NUL character (PostgreSQL text cannot store it)")
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(
-                f"{path} contains a lone surrogate {value[exc.start]!r} at {exc.start}"
-                " (not encodable as UTF-8)"
-            ) from None
-
-
 def _storable(text: str) -> bool:
+    """No NUL and no lone surrogate in ``text`` (see :func:`check_text`)."""
     if "\x00" in text:
         return False
     if text.isascii():
@@ -184,6 +170,19 @@ def _storable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def check_text(value: str, path: str) -> None:
+    """Raise ``ValueError`` if ``value`` holds a NUL or a lone surrogate (PostgreSQL's text
+    and jsonb refuse the first, UTF-8 has no form for the second); ``path`` names where."""
+    if _storable(value):
+        return
+    if "\x00" in value:
+        raise ValueError(f"{path} contains a NUL character (PostgreSQL text cannot store it)")
+    at = next(i for i, ch in enumerate(value) if "\ud800" <= ch <= "\udfff")
+    raise ValueError(
+        f"{path} contains a lone surrogate {value[at]!r} at {at} (not encodable as UTF-8)"
+    )
 
 
 def _all_storable(value: Any) -> bool:
@@ -216,24 +215,18 @@ def _all_storable(value: Any) -> bool:
 
 
 def _check_strings(value: Any, path: str) -> None:
-    """:func:`check_text` every string of a JSON-ready value (object keys included); the
-    path of an offending value is built only once one is found."""
+    """:func:`check_text` every string of a JSON-ready value (object keys included), naming
+    the path of the first that fails (run once :func:`_all_storable` found one)."""
     if isinstance(value, str):
-        if "\x00" in value or not value.isascii():
-            check_text(value, path)
+        check_text(value, path)
     elif isinstance(value, dict):
         for key, item in value.items():
-            if isinstance(key, str) and ("\x00" in key or not key.isascii()):
+            if isinstance(key, str):
                 check_text(key, f"{path} key {key!r}")
-            if isinstance(item, str):
-                if "\x00" in item or not item.isascii():
-                    check_text(item, f"{path}.{key}")
-            elif isinstance(item, dict | list | tuple):
-                _check_strings(item, f"{path}.{key}")
+            _check_strings(item, f"{path}.{key}")
     elif isinstance(value, list | tuple):
         for index, item in enumerate(value):
-            if isinstance(item, str | dict | list | tuple):
-                _check_strings(item, f"{path}[{index}]")
+            _check_strings(item, f"{path}[{index}]")
 
 
 def one_line(exc: ValidationError) -> str:
