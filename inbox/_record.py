@@ -73,10 +73,9 @@ def record_identity(
     """The event id and type of a record, read from the CloudEvents headers if unparsed.
 
     An unparseable record may still carry a readable ``ce_id``: its failure is then recorded
-    in the inbox. ``(None, None)`` when there is no readable id. The type of an unparsed
-    record is made storable: undecodable bytes and NUL characters (PostgreSQL's ``text``
-    refuses them; a NUL in ``ce_type`` is one reason a record is unparseable) become
-    U+FFFD, else writing its inbox row failed on every retry and stopped the partition.
+    in the inbox. ``(None, None)`` when there is no readable id. Undecodable bytes of an
+    unparsed record's type become U+FFFD (a NUL stays: the store makes what it writes
+    storable, :meth:`InboxStore.record_failure`).
     """
     if event is not None:
         return event.event_id, event.event_type
@@ -86,9 +85,7 @@ def record_identity(
     except (KeyError, ValueError, UnicodeDecodeError):
         return None, None
     event_type = found.get("ce_type")
-    if not event_type:
-        return event_id, None
-    return event_id, event_type.decode("utf-8", "replace").replace("\x00", "\ufffd")
+    return event_id, event_type.decode("utf-8", "replace") if event_type else None
 
 
 class Abandon(Exception):

@@ -217,8 +217,12 @@ class InboxStore:
     ) -> None:
         """Upsert the row as DEAD_LETTERED with ``error``: a new row, or one whose replay was
         requested; a DONE row and an earlier DEAD_LETTERED one are left as they are. Caller
-        commits."""
-        values = self._values(event_id, event_type, record)
+        commits. The type and the error are stored as PostgreSQL can hold them
+        (:func:`_storable`): an unparseable record's ``ce_type`` may carry a NUL, any
+        exception's text a NUL or a lone surrogate, and a row that cannot be written would
+        be retried without bound, its partition stopped."""
+        stored_type = None if event_type is None else _storable(event_type)
+        values = self._values(event_id, stored_type, record)
         values.update(attempts=attempts, last_error=_storable(error[:MAX_ERROR_CHARS]))
         await tx.execute(self._fail, values)
 
