@@ -13,7 +13,6 @@ coroutines run, psycopg and aiokafka support both loops.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -25,10 +24,6 @@ __all__ = ["EVENT_LOOPS", "EVENT_LOOP_SETTING", "loop_name", "runner"]
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 
 T = TypeVar("T")
-
-
-def _has_uvloop() -> bool:
-    return importlib.util.find_spec("uvloop") is not None
 
 
 def runner(choice: str) -> Callable[[Coroutine[Any, Any, T]], T]:
@@ -50,12 +45,12 @@ def runner(choice: str) -> Callable[[Coroutine[Any, Any, T]], T]:
             f"event_loop must be one of {', '.join(EVENT_LOOPS)} (got {choice!r})",
             setting="event_loop",
         )
-    if choice == "asyncio" or (choice == "auto" and not _has_uvloop()):
+    if choice == "asyncio":
         return asyncio.run
     try:
         import uvloop
     except ImportError as exc:
-        if choice == "auto":  # installed but not importable (a broken wheel): asyncio's loop
+        if choice == "auto":  # not installed, or a broken wheel: asyncio's loop
             return asyncio.run
         raise SettingsError(
             f"event_loop is uvloop but uvloop cannot be imported ({exc}): pip install"

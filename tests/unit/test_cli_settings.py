@@ -468,9 +468,8 @@ def test_the_event_loop_setting_picks_the_loop_and_refuses_what_it_cannot_run(
     assert event_loop.runner("asyncio") is asyncio.run
     with pytest.raises(SettingsError, match="event_loop must be one of auto, asyncio, uvloop"):
         event_loop.runner("libuv")
-    monkeypatch.setattr(event_loop, "_has_uvloop", lambda: False)
-    assert event_loop.runner("auto") is asyncio.run, "auto without uvloop: asyncio's loop"
     monkeypatch.setitem(sys.modules, "uvloop", None)  # importing it raises ImportError
+    assert event_loop.runner("auto") is asyncio.run, "auto without uvloop: asyncio's loop"
     with pytest.raises(SettingsError, match=r"pip install 'ledgerbox\[uvloop\]'"):
         event_loop.runner("uvloop")
 
@@ -491,7 +490,6 @@ def test_auto_falls_back_to_asyncio_when_the_installed_uvloop_cannot_run_the_dae
 
     old = types.ModuleType("uvloop")
     old.__version__ = "0.17.0"  # type: ignore[attr-defined]
-    monkeypatch.setattr(event_loop, "_has_uvloop", lambda: True)
     monkeypatch.setitem(sys.modules, "uvloop", old)
     assert event_loop.runner("auto") is asyncio.run, "uvloop without run(): asyncio's loop"
     with pytest.raises(SettingsError, match=r"uvloop 0\.17\.0 is too old") as too_old:
