@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,8 @@ __all__ = ["consumer_lag", "create_topics", "delete_topics", "end_offsets", "res
 
 #: Upper bound of records read back for a duplicate burst (keeps the demo's memory small).
 MAX_READ_BACK = 20_000
+#: Longest read-back of a duplicate-deliveries fault, in seconds.
+READ_BACK_S = 15.0
 
 
 async def create_topics(
@@ -114,10 +117,12 @@ async def resend_records(bootstrap: str, topic: str, count: int, rng: random.Ran
         reader.assign(list(ends))
         await reader.seek_to_beginning(*ends)
         remaining = {tp: end for tp, end in ends.items() if end > 0}
-        while remaining and len(records) < MAX_READ_BACK:
-            batch = await reader.getmany(timeout_ms=1000, max_records=1000)
-            if not batch:
-                break
+        # Until every partition is read to its end offset, for READ_BACK_S at most: the first
+        # fetch after the seek can take over a second on a loaded machine, and stopping at the
+        # first empty poll re-sent nothing at all (the fault silently did not happen).
+        deadline = time.monotonic() + READ_BACK_S
+        while remaining and len(records) < MAX_READ_BACK and time.monotonic() < deadline:
+            batch = await reader.getmany(timeout_ms=500, max_records=1000)
             for tp, messages in batch.items():
                 for message in messages:
                     if message.offset < ends[tp]:
