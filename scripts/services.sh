@@ -678,25 +678,34 @@ node_launch() {  # node_launch ROLE N: start the JVM if not running (does not wa
     heap=(-Xmx384m -Xms384m -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:ParallelGCThreads=2
           -XX:ConcGCThreads=1 -XX:InitiatingHeapOccupancyPercent=35)
   fi
-  # Where this start's log begins: readiness is read from what follows.
-  stat -c %s "$d/logs/server.log" 2>/dev/null >"$d/logs/.start-offset" || echo 0 >"$d/logs/.start-offset"
+  # When this start began, in the log's own timestamp format (the JVM logs in UTC): readiness
+  # is read from the lines stamped at or after it, whichever file log4j has rolled them into.
+  TZ=UTC date '+%Y-%m-%d %H:%M:%S,%3N' >"$d/logs/.start-time"
   (cd "$d" && exec setsid nohup "$JAVA" "${heap[@]}" -server -XX:CICompilerCount=2 \
     -XX:+ExplicitGCInvokesConcurrent -Djava.awt.headless=true \
     -XX:ErrorFile="$d/logs/hs_err_pid%p.log" \
-    -Dkafka.logs.dir="$d/logs" -Dlog4j2.configurationFile="$d/log4j2.properties" \
+    -Duser.timezone=UTC -Dkafka.logs.dir="$d/logs" -Dlog4j2.configurationFile="$d/log4j2.properties" \
     -cp "$KAFKA_LIBS/*" kafka.Kafka "$d/server.properties" \
     >>"$d/logs/stdout.log" 2>&1 </dev/null 3>&- 8>&- 9>&-) &
   for _ in $(seq 1 50); do node_pid "$role" "$n" >/dev/null && return 0; sleep 0.1; done
   show_log "$d/logs/stdout.log"; die "$role $n JVM did not start"
 }
 
-node_log_since_start() {  # what the node logged since its last launch
-  local d off size
+node_logged_since_start() {  # node_logged_since_start ROLE N REGEX: did the node log a line
+  # matching REGEX since its last launch? Reads server.log and the files log4j rolled it into
+  # (server.log.1..3, written since the launch) and keeps the lines stamped at or after the
+  # launch: an offset into server.log is lost when the file rolls over (a busy broker logs
+  # 20 MB in minutes), and the line sought may then be in server.log.1.
+  local d start f files=()
   d="$(node_dir "$1" "$2")"
-  off="$(cat "$d/logs/.start-offset" 2>/dev/null || echo 0)"
-  size="$(stat -c %s "$d/logs/server.log" 2>/dev/null || echo 0)"
-  [ "$size" -lt "$off" ] && off=0  # the log rolled over
-  tail -c +"$((off + 1))" "$d/logs/server.log" 2>/dev/null || true
+  start="$(cat "$d/logs/.start-time" 2>/dev/null)" || return 1
+  for f in "$d"/logs/server.log "$d"/logs/server.log.[0-9]*; do
+    [ -f "$f" ] && ! [ "$d/logs/.start-time" -nt "$f" ] && files+=("$f")
+  done
+  [ "${#files[@]}" -gt 0 ] || return 1
+  awk -v start="[$start]" -v re="$3" '
+    /^\[/ && substr($0, 1, 25) >= start && $0 ~ re { found = 1; exit }
+    END { exit !found }' "${files[@]}"
 }
 
 node_wait_ready() {  # node_wait_ready ROLE N: a broker is ready once unfenced; a controller once listening
@@ -708,7 +717,7 @@ node_wait_ready() {  # node_wait_ready ROLE N: a broker is ready once unfenced; 
       show_log "$d/logs/stdout.log" 20; show_log "$d/logs/server.log" 60; die "$role $n exited during startup"; }
     if port_open "$port"; then
       if [ "$role" = controller ]; then return 0; fi
-      if node_log_since_start broker "$n" | grep -qE "has been unfenced|Kafka Server started"; then return 0; fi
+      if node_logged_since_start broker "$n" "has been unfenced|Kafka Server started"; then return 0; fi
     fi
     if [ "$SECONDS" -ge "$deadline" ]; then
       show_log "$d/logs/server.log" 60; die "$role $n (pid $pid) not ready after ${TIMEOUT}s"
@@ -1178,4 +1187,5 @@ main() {
   esac
 }
 
-main "$@"
+# Sourced (tests of the functions above), define only; run as a script, do the command.
+[ "${BASH_SOURCE[0]}" != "$0" ] || main "$@"

@@ -64,6 +64,19 @@ def _all_brokers_back() -> Any:
         _script("start-broker", str(broker))  # a no-op for a running broker
 
 
+CREATED: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _delete_created_topics(bootstrap: str) -> Any:
+    """The cluster's storage outlives a run: every topic left behind is one more log a
+    restarted broker loads and re-replicates in every later run."""
+    yield
+    if CREATED:
+        asyncio.run(_delete(bootstrap, list(CREATED)))
+        CREATED.clear()
+
+
 async def _partitions(bootstrap: str, topic: str) -> dict[int, dict[str, Any]]:
     # A fresh client per call: aiokafka's admin keeps sending to the node it picked, which
     # may be the broker the test just killed.
@@ -81,6 +94,16 @@ async def _create(bootstrap: str, topic: str) -> None:
     await admin.start()
     try:
         await admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=3)])
+        CREATED.append(topic)
+    finally:
+        await admin.close()
+
+
+async def _delete(bootstrap: str, topics: list[str]) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    await admin.start()
+    try:
+        await admin.delete_topics(topics)
     finally:
         await admin.close()
 
