@@ -7,7 +7,7 @@ import enum
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 
-from ledgerbox._core.identifiers import sql_identifier
+from ledgerbox._core.identifiers import inbox_table_name, sql_identifier
 
 __all__ = ["InboxStatus", "InboxTable"]
 
@@ -49,7 +49,7 @@ class InboxTable:
     def __init__(
         self, name: str = "inbox", *, schema: str | None = None, metadata: sa.MetaData | None = None
     ) -> None:
-        self.name = sql_identifier(name, "inbox table name")
+        self.name = inbox_table_name(name)
         self.schema = None if schema is None else sql_identifier(schema, "schema")
         self.metadata = metadata if metadata is not None else sa.MetaData()
         self.table = sa.Table(

@@ -79,12 +79,13 @@ def migrate(values: Values, ctx: typer.Context) -> None:
 
     from ledgerbox import migrations
     from ledgerbox._core.errors import ConfigurationError, LedgerboxError
-    from ledgerbox._core.identifiers import sql_identifier
+    from ledgerbox._core.identifiers import inbox_table_name, outbox_table_name, sql_identifier
 
+    checks = {"outbox_table": outbox_table_name, "inbox_table": inbox_table_name}
     for name in NAME_SETTINGS:
         if values[name] is not None:
             try:
-                sql_identifier(values[name], name.replace("_", " "))
+                checks.get(name, sql_identifier)(values[name], name.replace("_", " "))
             except ConfigurationError as exc:
                 MIGRATE_SETTINGS.fail(ConfigurationError(str(exc), setting=name), values)
     names = migrations.Names(**{name: values[name] for name in NAME_SETTINGS})

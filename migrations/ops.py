@@ -24,7 +24,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 
-from ledgerbox._core.identifiers import sql_identifier
+from ledgerbox._core.identifiers import inbox_table_name, outbox_table_name, sql_identifier
 from ledgerbox.outbox._table import OutboxTable
 from ledgerbox.outbox._types import PgSnapshot, Xid8
 
@@ -48,7 +48,7 @@ _TZ = sa.DateTime(timezone=True)
 
 def create_outbox_v1(op: Any, table: str = "outbox", schema: str | None = None) -> None:
     """Create the outbox table, its indexes and its NOTIFY trigger."""
-    name = sql_identifier(table, "outbox table name")
+    name = outbox_table_name(table)
     op.create_table(
         name,
         sa.Column("id", sa.BigInteger, sa.Identity(always=False), primary_key=True),
@@ -101,7 +101,7 @@ def create_outbox_v1(op: Any, table: str = "outbox", schema: str | None = None) 
 
 def drop_outbox_v1(op: Any, table: str = "outbox", schema: str | None = None) -> None:
     """Drop what :func:`create_outbox_v1` created."""
-    name = sql_identifier(table, "outbox table name")
+    name = outbox_table_name(table)
     for statement in OutboxTable(name, schema=schema).drop_notify_ddl():
         op.execute(statement)
     op.drop_table(name, schema=schema)
@@ -109,7 +109,7 @@ def drop_outbox_v1(op: Any, table: str = "outbox", schema: str | None = None) ->
 
 def create_inbox_v1(op: Any, table: str = "inbox", schema: str | None = None) -> None:
     """Create the inbox table."""
-    name = sql_identifier(table, "inbox table name")
+    name = inbox_table_name(table)
     op.create_table(
         name,
         sa.Column("consumer_group", sa.Text, primary_key=True),
@@ -130,12 +130,12 @@ def create_inbox_v1(op: Any, table: str = "inbox", schema: str | None = None) ->
 
 def drop_inbox_v1(op: Any, table: str = "inbox", schema: str | None = None) -> None:
     """Drop what :func:`create_inbox_v1` created."""
-    op.drop_table(sql_identifier(table, "inbox table name"), schema=schema)
+    op.drop_table(inbox_table_name(table), schema=schema)
 
 
 def create_relay_v1(op: Any, outbox_table: str = "outbox", schema: str | None = None) -> None:
     """Create the relay's shard-lease and member tables."""
-    base = sql_identifier(outbox_table, "outbox table name")
+    base = outbox_table_name(outbox_table)
     op.create_table(
         f"{base}_relay_lease",
         sa.Column("shard", sa.SmallInteger, primary_key=True, autoincrement=False),
@@ -155,7 +155,7 @@ def create_relay_v1(op: Any, outbox_table: str = "outbox", schema: str | None = 
 
 def drop_relay_v1(op: Any, outbox_table: str = "outbox", schema: str | None = None) -> None:
     """Drop what :func:`create_relay_v1` created."""
-    base = sql_identifier(outbox_table, "outbox table name")
+    base = outbox_table_name(outbox_table)
     op.drop_table(f"{base}_relay_member", schema=schema)
     op.drop_table(f"{base}_relay_lease", schema=schema)
 
@@ -176,7 +176,7 @@ def upgrade_outbox_v1_to_v2(op: Any, table: str = "outbox", schema: str | None =
     index. Stop the v1 relays before, start the v2 relays after (docs/migrations.md). If a
     concurrent build fails it leaves an INVALID index: drop it and run the migration again.
     """
-    name = sql_identifier(table, "outbox table name")
+    name = outbox_table_name(table)
     op.add_column(
         name,
         sa.Column("txid", Xid8(), nullable=False, server_default=sa.text("pg_current_xact_id()")),
@@ -215,7 +215,7 @@ def downgrade_outbox_v2_to_v1(op: Any, table: str = "outbox", schema: str | None
     rows pending again (v1's claim skips them), discarded ones ``status = 1``; the v1
     indexes come back and ``txid`` goes. Run before :func:`downgrade_relay_v2_to_v1` (it
     reads the cursors), with the relays stopped."""
-    name = sql_identifier(table, "outbox table name")
+    name = outbox_table_name(table)
     qualified = f"{schema}.{name}" if schema else name
     lease = f"{qualified}_relay_lease"
     op.execute(
@@ -259,7 +259,7 @@ def upgrade_relay_v1_to_v2(
     a relay's first range of a shard then holds every committed, not yet published row),
     ``fillfactor = 50`` so the per-batch cursor update stays HOT, and the cleanup's tick
     table."""
-    base = sql_identifier(outbox_table, "outbox table name")
+    base = outbox_table_name(outbox_table)
     lease = f"{base}_relay_lease"
     for column in (
         sa.Column("lo", PgSnapshot(), nullable=True),
@@ -285,7 +285,7 @@ def downgrade_relay_v2_to_v1(
     op: Any, outbox_table: str = "outbox", schema: str | None = None
 ) -> None:
     """Drop what :func:`upgrade_relay_v1_to_v2` added."""
-    base = sql_identifier(outbox_table, "outbox table name")
+    base = outbox_table_name(outbox_table)
     lease = f"{base}_relay_lease"
     op.drop_table(f"{base}_relay_tick", schema=schema)
     for column in (

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.orm import registry
 
-from ledgerbox._core.identifiers import sql_identifier
+from ledgerbox._core.identifiers import outbox_table_name, sql_identifier
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
 from ledgerbox.outbox._types import Xid8
 
@@ -97,7 +97,7 @@ class OutboxTable:
     ) -> None:
         from ledgerbox._core.errors import ConfigurationError
 
-        self.name = sql_identifier(name, "outbox table name")
+        self.name = outbox_table_name(name)
         self.schema = None if schema is None else sql_identifier(schema, "schema")
         if len(self.notify_channel) > MAX_CHANNEL_CHARS:
             # pg_notify refuses a longer channel ("channel name too long"): the migration

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ledgerbox._core.database_url import check_database_url, libpq_url
 from ledgerbox._core.errors import ConfigurationError
-from ledgerbox._core.identifiers import sql_identifier
+from ledgerbox._core.identifiers import outbox_table_name, sql_identifier
 from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
 from ledgerbox._core.redaction import remember_url
@@ -141,9 +142,9 @@ class RelayConfig:
         remember_url(self.database_url)
         check_database_url(self.database_url)  # one that can never connect: not waited for
         object.__setattr__(self, "_kafka", resolve_kafka(self.kafka, self.kafka_bootstrap_servers))
-        _identifier(self.outbox_table, "outbox_table", "outbox table name")
+        _identifier(self.outbox_table, "outbox_table", "outbox table name", outbox_table_name)
         if self.schema is not None:
-            _identifier(self.schema, "schema", "schema")
+            _identifier(self.schema, "schema", "schema", sql_identifier)
         _check(1 <= self.batch_size <= 100_000, "batch_size", "must be in 1..100000")
         _check(1 <= self.lanes <= 64, "lanes", "must be in 1..64")
         _check(self.poll_interval_s > 0, "poll_interval_s", "must be > 0")
@@ -200,8 +201,8 @@ def _check(ok: bool, setting: str, rule: str) -> None:
         raise ConfigurationError(f"{setting} {rule}", setting=setting)
 
 
-def _identifier(value: str, setting: str, what: str) -> None:
+def _identifier(value: str, setting: str, what: str, check: Callable[[str, str], str]) -> None:
     try:
-        sql_identifier(value, what)
+        check(value, what)
     except ConfigurationError as exc:
         raise ConfigurationError(str(exc), setting=setting) from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from ledgerbox._core.identifiers import sql_identifier
+from ledgerbox._core.identifiers import outbox_table_name, sql_identifier
 from ledgerbox.outbox._types import PgSnapshot, Xid8
 
 __all__ = ["RelayTables"]
@@ -44,7 +44,7 @@ class RelayTables:
         schema: str | None = None,
         metadata: sa.MetaData | None = None,
     ) -> None:
-        base = sql_identifier(outbox_table, "outbox table name")
+        base = outbox_table_name(outbox_table)
         self.schema = None if schema is None else sql_identifier(schema, "schema")
         self.metadata = metadata if metadata is not None else sa.MetaData()
         self.lease = sa.Table(

@@ -54,6 +54,71 @@ def sql_identifier(value: str, what: str) -> str:
     return value
 
 
+#: PostgreSQL's longest identifier, in bytes (``NAMEDATALEN - 1``); the names here are ASCII.
+MAX_IDENTIFIER_CHARS = 63
+
+#: Every identifier ledgerbox derives from an outbox table's name: its constraints and indexes
+#: (schema revisions 1 and 2), its id sequence, its NOTIFY trigger and function, the relay's
+#: tables and their primary keys. The longest decides how long the name may be.
+#: tests/integration/test_migrations.py checks this list against what a migration creates.
+OUTBOX_DERIVED_NAMES = (
+    "{}_pkey",
+    "{}_id_seq",
+    "uq_{}_idempotency_key",
+    "uq_{}_event_id",
+    "ix_{}_shard_txid",
+    "ix_{}_held",
+    "ix_{}_pending",
+    "ix_{}_dead",
+    "ix_{}_published_at",
+    "{}_notify",
+    "{}_relay_lease",
+    "{}_relay_lease_pkey",
+    "{}_relay_member",
+    "{}_relay_member_pkey",
+    "{}_relay_tick",
+    "{}_relay_tick_pkey",
+)
+#: The same for an inbox table (its primary key is named in conflict classification).
+INBOX_DERIVED_NAMES = ("{}_pkey", "ix_{}_first_seen_at")
+
+
+def outbox_table_name(value: str, what: str = "outbox table name") -> str:
+    """Return ``value`` if it can name an outbox table, else raise.
+
+    :func:`sql_identifier`, and short enough that every identifier derived from it
+    (:data:`OUTBOX_DERIVED_NAMES`, e.g. ``uq_<name>_idempotency_key``) fits PostgreSQL's 63
+    bytes: at most 44 chars. A longer name used to pass every setting check and fail at
+    ``ledgerbox migrate`` (SQLAlchemy's IdentifierError), or be truncated by PostgreSQL.
+
+    Raises
+    ------
+    ConfigurationError
+        If the name is not a valid identifier or is longer than 44 chars.
+    """
+    return _table_name(value, what, OUTBOX_DERIVED_NAMES)
+
+
+def inbox_table_name(value: str, what: str = "inbox table name") -> str:
+    """Return ``value`` if it can name an inbox table (as :func:`outbox_table_name`, with
+    :data:`INBOX_DERIVED_NAMES`: at most 46 chars), else raise ``ConfigurationError``."""
+    return _table_name(value, what, INBOX_DERIVED_NAMES)
+
+
+def _table_name(value: str, what: str, derived: tuple[str, ...]) -> str:
+    sql_identifier(value, what)
+    longest = max(derived, key=len)
+    name = longest.format(value)
+    if len(name) > MAX_IDENTIFIER_CHARS:
+        limit = MAX_IDENTIFIER_CHARS - (len(longest) - 2)
+        raise ConfigurationError(
+            f"{what} {value!r} is {len(value)} chars: ledgerbox derives {name!r} "
+            f"({len(name)} chars) from it, over PostgreSQL's {MAX_IDENTIFIER_CHARS}: "
+            f"use at most {limit} chars"
+        )
+    return value
+
+
 def kafka_topic(value: str) -> str:
     """Return ``value`` if it is a legal Kafka topic name, else raise ``ConfigurationError``."""
     if not isinstance(value, str) or not _KAFKA_TOPIC.fullmatch(value) or value in {".", ".."}:

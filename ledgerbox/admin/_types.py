@@ -13,7 +13,7 @@ from typing import Any
 
 from ledgerbox._core.database_url import check_database_url, database_label
 from ledgerbox._core.errors import ConfigurationError
-from ledgerbox._core.identifiers import sql_identifier
+from ledgerbox._core.identifiers import inbox_table_name, outbox_table_name, sql_identifier
 from ledgerbox.admin._errors import InvalidFilterError
 
 __all__ = [
@@ -94,8 +94,8 @@ class Database:
 
     def __post_init__(self) -> None:
         _check_url(self.url)
-        sql_identifier(self.outbox_table, "outbox table name")
-        sql_identifier(self.inbox_table, "inbox table name")
+        outbox_table_name(self.outbox_table)
+        inbox_table_name(self.inbox_table)
         if self.schema is not None:
             sql_identifier(self.schema, "schema")
 

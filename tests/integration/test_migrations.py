@@ -13,7 +13,12 @@ from sqlalchemy.engine import Engine
 
 from ledgerbox import migrations
 from ledgerbox._core.errors import ConfigurationError
-from ledgerbox._core.identifiers import RESERVED_KEYWORDS
+from ledgerbox._core.identifiers import (
+    INBOX_DERIVED_NAMES,
+    MAX_IDENTIFIER_CHARS,
+    OUTBOX_DERIVED_NAMES,
+    RESERVED_KEYWORDS,
+)
 from ledgerbox.outbox._table import MAX_CHANNEL_CHARS
 
 
@@ -183,6 +188,66 @@ def test_names_making_a_too_long_notify_channel_are_refused_before_any_sql(
         with engine.connect() as conn:
             tables = conn.execute(
                 sa.text("SELECT count(*) FROM pg_tables WHERE schemaname = :s"), {"s": "s" * 30}
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    assert tables == 0
+
+
+# Names the tables, constraints, indexes, triggers and functions of one database hold.
+_CATALOG_NAMES = """
+SELECT relname FROM pg_class WHERE relnamespace = 'public'::regnamespace
+UNION SELECT conname FROM pg_constraint WHERE connamespace = 'public'::regnamespace
+UNION SELECT tgname FROM pg_trigger WHERE NOT tgisinternal
+UNION SELECT proname FROM pg_proc WHERE pronamespace = 'public'::regnamespace
+"""
+
+
+def test_the_longest_table_names_migrate_with_every_derived_name_whole(
+    empty_database_url: str,
+) -> None:
+    # Before: a 45-char outbox name (47-char inbox name) passed every setting check and the
+    # migration failed with SQLAlchemy's IdentifierError on uq_<name>_idempotency_key
+    # (ix_<name>_first_seen_at); PostgreSQL itself truncates the names it makes up (<t>_pkey).
+    outbox, inbox = "o" * 44, "i" * 46
+    names = migrations.Names(outbox_table=outbox, inbox_table=inbox)
+    migrations.upgrade_database(empty_database_url, names)
+    engine = sa.create_engine(empty_database_url)
+    try:
+        with engine.connect() as conn:
+            stored = set(conn.execute(sa.text(_CATALOG_NAMES)).scalars())
+        assert _diff(engine, names) == []
+    finally:
+        engine.dispose()
+    for base, templates in ((outbox, OUTBOX_DERIVED_NAMES), (inbox, INBOX_DERIVED_NAMES)):
+        derived = {name for name in stored if base in name}
+        known = {"{}", *templates}
+        # Every name the migration made from the base is a known template, whole (a
+        # truncated or a new, unlisted one fails here) ...
+        assert {name for name in derived if name not in {t.format(base) for t in known}} == set()
+        # ... and the longest of them is the longest PostgreSQL allows.
+        assert max(len(name) for name in derived) <= MAX_IDENTIFIER_CHARS
+    assert max(len(t.format(outbox)) for t in OUTBOX_DERIVED_NAMES) == MAX_IDENTIFIER_CHARS
+    assert max(len(t.format(inbox)) for t in INBOX_DERIVED_NAMES) == MAX_IDENTIFIER_CHARS
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (migrations.Names(outbox_table="o" * 45), "is 45 chars: .* use at most 44 chars"),
+        (migrations.Names(inbox_table="i" * 47), "is 47 chars: .* use at most 46 chars"),
+    ],
+)
+def test_a_table_name_too_long_for_its_derived_names_is_refused_before_any_sql(
+    empty_database_url: str, names: migrations.Names, message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        migrations.upgrade_database(empty_database_url, names)
+    engine = sa.create_engine(empty_database_url)
+    try:
+        with engine.connect() as conn:
+            tables = conn.execute(
+                sa.text("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")
             ).scalar_one()
     finally:
         engine.dispose()

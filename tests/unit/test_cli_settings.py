@@ -499,3 +499,54 @@ def test_auto_falls_back_to_asyncio_when_the_installed_uvloop_cannot_run_the_dae
     assert event_loop.runner("auto") is asyncio.run, "a broken uvloop: asyncio's loop"
     with pytest.raises(SettingsError, match="uvloop cannot be imported"):
         event_loop.runner("uvloop")
+
+
+def test_a_table_name_too_long_for_its_derived_names_is_refused_naming_the_flag(
+    captured: _Captured,
+) -> None:
+    # Before: a 45-char outbox table passed the relay's settings ('relay down: tables ... do
+    # not exist: run ledgerbox migrate'), and migrate then failed with SQLAlchemy's
+    # IdentifierError on uq_<name>_idempotency_key, naming no setting.
+    result = _relay("--database-url", URL, "--outbox-table", "o" * 45)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"ledgerbox relay: outbox table name {'o' * 45!r} is 45 chars: ledgerbox derives "
+        f"'uq_{'o' * 45}_idempotency_key' (64 chars) from it, over PostgreSQL's 63: use at "
+        "most 44 chars; set --outbox-table or LEDGERBOX_RELAY_OUTBOX_TABLE"
+    ]
+    assert captured.configs == []
+    assert _relay("--database-url", URL, "--outbox-table", "o" * 44).exit_code == 0
+    assert [c.outbox_table for c in captured.configs] == ["o" * 44]
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--outbox-table", "order"], "--outbox-table or LEDGERBOX_CONSOLE_OUTBOX_TABLE"),
+        (["--inbox-table", "i" * 47], "--inbox-table or LEDGERBOX_CONSOLE_INBOX_TABLE"),
+        (["--schema", "user"], "--schema or LEDGERBOX_CONSOLE_SCHEMA"),
+    ],
+)
+def test_the_console_refuses_a_bad_table_name_naming_the_flag(args: list[str], flag: str) -> None:
+    from ledgerbox.console import _cli as console_cli
+
+    result = CliRunner().invoke(console_cli.app, ["--database-url", URL, *args])
+    assert result.exit_code == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith("ledgerbox console: ") and line.endswith(f"; set {flag}"), line
+
+
+def test_a_consumer_config_refuses_an_inbox_table_too_long_naming_the_setting() -> None:
+    from ledgerbox._core.errors import ConfigurationError
+    from ledgerbox.inbox import ConsumerConfig
+
+    base: dict[str, Any] = {
+        "database_url": URL,
+        "group_id": "g",
+        "topics": ["t"],
+        "kafka_bootstrap_servers": "k:9092",
+    }
+    with pytest.raises(ConfigurationError, match=r"is 47 chars: .* use at most 46") as info:
+        ConsumerConfig(**base, inbox_table="i" * 47)
+    assert info.value.setting == "inbox_table"
+    ConsumerConfig(**base, inbox_table="i" * 46)
