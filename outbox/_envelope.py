@@ -15,9 +15,16 @@ import math
 import uuid
 from collections.abc import Mapping
 from decimal import Decimal
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 from pydantic_core import to_jsonable_python
 
 from ledgerbox.outbox._errors import (
@@ -99,6 +106,36 @@ class EventEnvelope(BaseModel):
         if not _all_storable(self.payload):
             _check_strings(self.payload, "payload")  # raises, naming where
         return self
+
+    @classmethod
+    def model_construct(  # type: ignore[override]  # the plugin types it per field
+        cls, _fields_set: set[str] | None = None, **values: Any
+    ) -> Self:
+        """Validated like the constructor: an envelope goes into the outbox and onto Kafka,
+        so none is built from unchecked data (pydantic's ``model_construct`` skips every
+        validator: a NUL, an empty partition key or a naive ``occurred_at`` reached the
+        flush). ``_fields_set`` is ignored.
+
+        Raises
+        ------
+        pydantic.ValidationError
+            If a field is invalid (as the constructor).
+        """
+        return cls.model_validate(values)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy; with ``update``, validated like a new envelope (pydantic's own
+        ``model_copy`` does not validate ``update``: an empty partition key or a naive
+        ``occurred_at`` passed into the outbox).
+
+        Raises
+        ------
+        pydantic.ValidationError
+            If an updated field is invalid (as the constructor).
+        """
+        if not update:
+            return super().model_copy(deep=deep)
+        return self.model_validate({**dict(self), **update})
 
     def payload_as(self, model: type[M]) -> M:
         """Validate the payload into ``model`` (e.g. restores ``Decimal`` and ``UUID`` exactly).
@@ -294,5 +331,21 @@ def to_json_payload(payload: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def dumps_payload(payload: Mapping[str, Any]) -> bytes:
-    """Compact UTF-8 JSON of a JSON-ready payload (the bytes the size limit applies to)."""
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    """Compact UTF-8 JSON of a JSON-ready payload (the bytes the size limit applies to).
+
+    Raises
+    ------
+    EventValidationError
+        If the payload is not JSON-ready (a ``Decimal``, a ``datetime``, NaN or +-Infinity):
+        an envelope built directly, not by :meth:`OutboxWriter.event` (which converts the
+        payload with :func:`to_json_payload`). Before, ``TypeError`` from ``json.dumps``, or
+        PostgreSQL's ``DataError`` for a NaN at the flush.
+    """
+    try:
+        text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise EventValidationError(
+            f"payload is not JSON-ready ({exc}): build events with OutboxWriter.event(), "
+            "which converts it"
+        ) from None
+    return text.encode("utf-8")

@@ -28,6 +28,7 @@ from ledgerbox.outbox import (
     EventEnvelope,
     EventIdConflictError,
     EventStatus,
+    EventValidationError,
     OutboxTable,
     OutboxWriter,
     PayloadTooLargeError,
@@ -695,3 +696,58 @@ async def test_astage_once_through_an_async_scoped_session(
     with engine.connect() as conn:
         keys = conn.execute(sa.text("SELECT idempotency_key FROM outbox ORDER BY id")).scalars()
         assert keys.all() == ["k-98", "k-99"]
+
+
+def test_model_construct_validates_like_the_constructor() -> None:
+    # Before: pydantic's model_construct skipped every validator and stage wrote the result
+    # (a NUL failed the flush with a raw DataError, an empty key or a naive time was stored).
+    from pydantic import ValidationError
+
+    fields = dict(_event(90))
+    for bad, what in (
+        ({"event_type": "Order\x00Placed"}, "NUL"),
+        ({"partition_key": ""}, "partition_key"),
+        ({"occurred_at": dt.datetime(2026, 1, 1)}, "occurred_at"),
+        ({"surprise": 1}, "surprise"),
+    ):
+        with pytest.raises(ValidationError, match=what):
+            EventEnvelope.model_construct(**{**fields, **bad})
+    assert EventEnvelope.model_construct(**fields) == EventEnvelope(**fields)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [{"x": Decimal("1.5")}, {"x": float("nan")}, {"at": dt.datetime(2026, 1, 1, tzinfo=dt.UTC)}],
+)
+def test_an_envelope_built_with_a_payload_event_would_convert_is_refused_at_stage(
+    engine: Engine, orders: sa.Table, payload: dict[str, Any]
+) -> None:
+    # Before: json's TypeError (Decimal, datetime) from stage, or PostgreSQL's DataError for
+    # a NaN at the flush. OutboxWriter.event() converts these; the constructor does not.
+    event = EventEnvelope(**{**dict(_event(91)), "payload": payload})
+    for stage in (WRITER.stage, WRITER.stage_once):
+        with Session(engine) as session, session.begin():
+            session.execute(orders.insert().values(id=910, amount=Decimal("1.00")))
+            with pytest.raises(EventValidationError, match="payload is not JSON-ready"):
+                stage(session, event)
+            session.rollback()
+    assert _count(engine) == 0
+
+
+def test_model_copy_with_an_update_is_validated_and_staged_like_a_new_event(
+    engine: Engine,
+) -> None:
+    from pydantic import ValidationError
+
+    event = _event(95)
+    with pytest.raises(ValidationError, match="partition_key"):
+        event.model_copy(update={"partition_key": ""})
+    with pytest.raises(ValidationError, match="occurred_at"):
+        event.model_copy(update={"occurred_at": dt.datetime(2026, 1, 1)})
+    moved = event.model_copy(update={"partition_key": "customer-7"})
+    assert moved.partition_key == "customer-7" and moved.event_id == event.event_id
+    with Session(engine) as session, session.begin():
+        WRITER.stage(session, moved)
+    with engine.connect() as conn:
+        stored = conn.execute(sa.text("SELECT partition_key FROM outbox")).scalar_one()
+    assert stored == "customer-7"
