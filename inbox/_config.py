@@ -14,7 +14,13 @@ from ledgerbox._core.identifiers import inbox_table_name, sql_identifier
 from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
 from ledgerbox._core.redaction import remember_url
 
-__all__ = ["DEFAULT_RETENTION_S", "ConsumerConfig", "OnUnhandled"]
+__all__ = ["DEFAULT_RETENTION_S", "STOP_TIMEOUT_S", "ConsumerConfig", "OnUnhandled"]
+
+#: Default of ``ConsumerConfig.stop_timeout_s``, in seconds: the longest a stop waits for
+#: Kafka. A consumer stopped during a Kafka outage exits in about this long, far inside
+#: Kubernetes' default 30 s grace period (before: never, until Kafka came back, when an
+#: offset was left to commit: aiokafka retries a commit until it finds the coordinator).
+STOP_TIMEOUT_S = 8.0
 
 #: Default dedup window (inbox retention) and Kafka's default ``offsets.retention.minutes``
 #: (7 days): a redelivery can come back as long as the group's committed offsets live.
@@ -123,6 +129,13 @@ class ConsumerConfig:
         ``topics``; offsets are still committed to ``group_id``.
     client_id : str | None
         Kafka client id; defaults to ``ledgerbox-inbox-<group_id>``.
+    stop_timeout_s : float
+        Most a stop (SIGTERM, :meth:`inbox.InboxConsumer.stop`) waits for Kafka, in seconds
+        (default :data:`STOP_TIMEOUT_S`, 8), counted from the stop: the final offset
+        commit and the Kafka client's stop (leaving the group). The in-flight records
+        finish first (database, not Kafka); an offset Kafka did not take by then is not
+        committed and its records are delivered again after the restart, recognised by the
+        inbox (never applied twice). With Kafka up a stop finishes long before.
 
     Raises
     ------
@@ -166,6 +179,7 @@ class ConsumerConfig:
     assignment: Sequence[tuple[str, int]] | None = None
     client_id: str | None = None
     redis_key_prefix: str = "ledgerbox:"
+    stop_timeout_s: float = STOP_TIMEOUT_S
     _backoff: Backoff = field(init=False, repr=False, compare=False)
     _kafka: KafkaSettings = field(init=False, repr=False, compare=False)
 
@@ -204,6 +218,7 @@ class ConsumerConfig:
             "commit_interval_ms": self.commit_interval_ms,
             "max_buffered_records": self.max_buffered_records,
             "batch_max_records": self.batch_max_records,
+            "stop_timeout_s": self.stop_timeout_s,
         }
         for name, value in positive.items():
             if value <= 0:

@@ -345,7 +345,10 @@ class InboxConsumer:
     # -- the Kafka loop -------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Ask :meth:`run` to finish: in-flight records complete, offsets are committed."""
+        """Ask :meth:`run` to finish: in-flight records complete, offsets are committed and
+        the group is left; those Kafka steps get ``config.stop_timeout_s`` (seconds) in all,
+        after which offsets not committed are simply delivered again after a restart
+        (docs/operations.md, "Stopping a daemon")."""
         self._stop_requested = True
         if self._runner is not None:
             self._runner.stop()

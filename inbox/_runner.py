@@ -7,6 +7,13 @@ Offsets: a partition worker advances its position only past records whose pipeli
 whose processing was abandoned (revoked mid-retry) is not committed: the next owner reads it
 again and the inbox recognises it if its effect had committed.
 
+Stop (docs/operations.md, "Stopping a daemon"): fetching stops, the in-flight records finish
+(database, not Kafka), then the final offset commit and the client's stop (leave the group)
+get ``stop_timeout_s`` in all. aiokafka retries a commit until it finds the group
+coordinator, so with the broker away a stop waited until Kafka came back (and was killed at
+the end of the grace period); past the bound the offsets are left uncommitted (their records
+come again after the restart, recognised by the inbox) and the client is closed by hand.
+
 A broker that does not answer when the run starts is waited for (health ``down`` naming it,
 one log line per change, backoff at most :data:`START_RETRY_MAX_S` apart); refused
 credentials raise :class:`inbox.StartupError`.
@@ -23,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -31,6 +39,7 @@ from typing import Any, Protocol
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
+from ledgerbox._core.stop import StopSignal
 from ledgerbox.inbox._checks import kafka_start_verdict
 from ledgerbox.inbox._deps import PipelineDeps
 from ledgerbox.inbox._errors import StartupError
@@ -43,6 +52,11 @@ _log = logging.getLogger("ledgerbox.inbox")
 
 #: Longest wait between two attempts to start the Kafka client, in seconds.
 START_RETRY_MAX_S = 5.0
+
+#: Least time the Kafka client's stop gets at the end of a stop, in seconds, even when the
+#: offset commits spent ``stop_timeout_s``: with the broker away it fails at once, and the
+#: client then closes its tasks and connections itself.
+CLIENT_STOP_MIN_S = 1.0
 
 #: How often the lag gauges are refreshed while the consumer fetches, in seconds.
 LAG_REFRESH_S = 1.0
@@ -75,6 +89,10 @@ class KafkaRunner:
         self.process_batch = process_batch
         self.config = deps.config
         self.stopping = asyncio.Event()
+        # Set once the in-flight records of a stop finished: from then on what waits on
+        # Kafka (commits, the client's stop) gets config.stop_timeout_s in all.
+        self.kafka_grace = StopSignal(self.config.stop_timeout_s)
+        self.commit_given_up = False
         self.commit_wanted = asyncio.Event()
         self.commit_lock = asyncio.Lock()
         self.kafka: AIOKafkaConsumer | None = None
@@ -107,13 +125,17 @@ class KafkaRunner:
         try:
             await self._fetch_loop(kafka)
         finally:
+            await asyncio.gather(
+                *(w.aclose() for w in self.workers.values()), return_exceptions=True
+            )
+            self.kafka_grace.set()
             await self.close_workers(list(self.workers))
             for task in background:
                 task.cancel()
             for task in background:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await _stop_client(kafka)
+            await _stop_client(kafka, self.kafka_grace)
             self.kafka = None
 
     def _client(self) -> AIOKafkaConsumer:
@@ -235,11 +257,22 @@ class KafkaRunner:
             if not offsets:
                 return
             try:
-                await kafka.commit(offsets)
+                # Unbounded while running (aiokafka waits for the coordinator); once
+                # stopping, at most what is left of stop_timeout_s.
+                await self.kafka_grace.bounded(kafka.commit(offsets), math.inf)
             except KafkaError as exc:
                 # Rebalance in progress or broker away: the records stay uncommitted and may
                 # be redelivered, which the inbox absorbs.
                 _log.warning("offset commit failed, will retry: %r", exc)
+                return
+            except TimeoutError:
+                if not self.commit_given_up:
+                    self.commit_given_up = True
+                    _log.warning(
+                        "offsets not committed within stop_timeout_s (Kafka does not answer):"
+                        " the records since the last commit are delivered again after the"
+                        " restart and recognised by the inbox"
+                    )
                 return
             for worker in workers:
                 if worker.tp in offsets:
@@ -262,17 +295,25 @@ class KafkaRunner:
                 await deps.gate.probe(store.ping)
 
 
-async def _stop_client(kafka: AIOKafkaConsumer) -> None:
-    """Stop the aiokafka client; a broker that is away is not an error at shutdown.
+async def _stop_client(kafka: AIOKafkaConsumer, grace: StopSignal) -> None:
+    """Stop the aiokafka client (leave the group) within what is left of ``grace``; a
+    broker that is away is not an error at shutdown.
 
     With the broker down, aiokafka's ``stop()`` lets the ``CancelledError`` of its own
     in-flight fetch escape (``Fetcher.close`` cancels and awaits it): the consumer stopped by
     SIGTERM during a Kafka outage then exited 1 with a traceback. That one is absorbed; a
-    cancellation of this task itself still propagates (``Task.cancelling()``)."""
+    cancellation of this task itself still propagates (``Task.cancelling()``). It gets
+    :data:`CLIENT_STOP_MIN_S` at least (the commits may have spent the grace); past that the
+    connections are closed by hand (the group then drops this member after its
+    session timeout, as after a crash)."""
     try:
-        await kafka.stop()
+        await asyncio.wait_for(kafka.stop(), max(grace.left_s(), CLIENT_STOP_MIN_S))
     except KafkaError:
         pass
+    except TimeoutError:
+        _log.warning("Kafka client not stopped within stop_timeout_s: connections closed")
+        with contextlib.suppress(Exception):
+            await kafka._client.close()
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is not None and task.cancelling():

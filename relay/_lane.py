@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from typing import TypeVar
 
 from ledgerbox._core.backoff import Backoff
 from ledgerbox._core.faults import Fault
+from ledgerbox._core.stop import StopSignal
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._cursor import (
@@ -85,7 +87,6 @@ from ledgerbox.relay._producer import SharedProducer
 from ledgerbox.relay._publisher import OutboundRecord
 from ledgerbox.relay._record import restamped, to_record
 from ledgerbox.relay._spans import end_batch_span, start_batch_span
-from ledgerbox.relay._stop import StopSignal
 from ledgerbox.relay._store import (
     ClaimedEvent,
     CursorWrite,
@@ -676,9 +677,11 @@ class Lane:
         # Bounded: with several lanes another lane may recreate the producer while these
         # records are in flight, and a producer stopped mid-flight can leave their futures
         # unresolved (seen in the Kafka outage test). Not confirmed in time = transient.
+        # Once the relay stops, at most what is left of stop_timeout_s: a broker that is away
+        # cannot hold a SIGTERM; the rows not confirmed are simply not persisted (sent again).
         wait_s = 2 * self._deps.config.request_timeout_ms / 1000 + 5
         try:
-            results = await asyncio.wait_for(
+            results = await self._deps.stop.bounded(
                 asyncio.gather(*futures, return_exceptions=True), wait_s
             )
         except TimeoutError as exc:
@@ -738,7 +741,7 @@ class Lane:
 
     async def _send_alone(self, record: OutboundRecord) -> None:
         (future,) = await self._deps.producer.send_many([record])
-        await future
+        await self._deps.stop.bounded(future, math.inf)  # TimeoutError: stopped, not sent
 
     # -- persist ---------------------------------------------------------------------------
 

@@ -36,12 +36,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ledgerbox._core.stop import StopSignal
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import StoreError
 from ledgerbox.relay._health import RelayHealth
 from ledgerbox.relay._policy import LEADER_SHARD, LeaseBook, fair_share
-from ledgerbox.relay._stop import StopSignal
 from ledgerbox.relay._store import RelayStore
 
 __all__ = ["LeaseDeps", "Leases"]

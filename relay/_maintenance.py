@@ -20,10 +20,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ledgerbox._core.stop import StopSignal
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import StoreError
-from ledgerbox.relay._stop import StopSignal
 from ledgerbox.relay._store import RelayStore
 
 __all__ = ["STATS_INTERVAL_S", "Maintenance", "MaintenanceDeps"]

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from ledgerbox._core.backoff import Backoff
+from ledgerbox._core.stop import StopSignal
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._errors import PublishError
 from ledgerbox.relay._health import RelayHealth
 from ledgerbox.relay._hooks import RelayHooks
 from ledgerbox.relay._policy import failure_reason, unreachable
 from ledgerbox.relay._publisher import OutboundRecord, Publisher
-from ledgerbox.relay._stop import StopSignal
 from ledgerbox.relay._store import ClaimedEvent
 
 __all__ = ["RECREATE_PRODUCER_AFTER", "SharedProducer"]
@@ -176,8 +177,12 @@ class SharedProducer:
     async def stop(self, *, abort: bool = False) -> None:
         """Flush and stop the producer if it runs (the next :meth:`ensure` starts it).
         ``abort``: fail what it has not delivered yet instead of flushing (recreating it
-        after failures: the rows are sent again by the new one)."""
+        after failures: the rows are sent again by the new one). Once the relay is stopping
+        the flush takes at most what is left of ``stop_timeout_s`` (:class:`StopSignal`)."""
         async with self._lock:
             if self._ready:
                 self._ready = False
-                await self.publisher.stop(abort=abort)
+                left_s = self._stop.left_s()
+                await self.publisher.stop(
+                    abort=abort, timeout_s=None if left_s == math.inf else left_s
+                )

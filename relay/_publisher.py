@@ -65,9 +65,12 @@ class Publisher(Protocol):
     async def start(self) -> None:
         """Connect. Raises :class:`PublishError` if the broker cannot be reached."""
 
-    async def stop(self, *, abort: bool = False) -> None:
+    async def stop(self, *, abort: bool = False, timeout_s: float | None = None) -> None:
         """Flush what was handed over and disconnect. ``abort``: do not flush; fail every
-        record not confirmed yet at once (the relay sends those rows again)."""
+        record not confirmed yet at once (the relay sends those rows again). ``timeout_s``:
+        the longest the flush may take, in seconds (``None``: the publisher's own bound;
+        ``0``: none, as ``abort``); what is not confirmed by then fails, as with ``abort``.
+        The relay passes what is left of ``RelayConfig.stop_timeout_s`` when it stops."""
 
     def precheck(self, record: OutboundRecord) -> PublishError | None:
         """The error that refuses ``record`` before sending (e.g. too large), else ``None``.
@@ -105,12 +108,26 @@ async def _force_close(producer: AIOKafkaProducer) -> None:
     task nor socket of the old producer outlives it (aiokafka then warns "Unclosed")."""
     sender = getattr(producer, "_sender", None)
     task = getattr(sender, "sender_task", None)
-    if task is not None and not task.done():
+    if sender is not None and task is not None and not task.done():
+        # Its done callback fails the pending batches (done by the caller) and then trips
+        # over the idempotent producer's transaction manager (AttributeError, a traceback
+        # at every stop during an outage, aiokafka 0.14): not wanted.
+        with contextlib.suppress(Exception):
+            task.remove_done_callback(sender._fail_all)
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
     with contextlib.suppress(Exception):
         await producer.client.close()
+    producer._closed = True  # closed by hand: no "Unclosed AIOKafkaProducer" warning
+
+
+def _fail_undelivered(producer: AIOKafkaProducer, why: str) -> None:
+    """Fail every batch still in the producer's accumulator at once (their delivery futures
+    raise ``KafkaError(why)``): awaiting them cannot outlast the producer."""
+    accumulator = getattr(producer, "_message_accumulator", None)
+    if accumulator is not None:
+        accumulator.fail_all(KafkaError(why))
 
 
 def _failed(exc: BaseException) -> asyncio.Future[Any]:
@@ -125,7 +142,9 @@ def translated(fut: asyncio.Future[Any]) -> asyncio.Future[Any]:
     ours: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
     def copy(done: asyncio.Future[Any]) -> None:
-        if ours.done():
+        if ours.done():  # given up on (a stop): still retrieve the outcome, unlogged
+            if not done.cancelled():
+                done.exception()
             return
         if done.cancelled():
             ours.set_exception(
@@ -207,7 +226,7 @@ class KafkaPublisher:
             raise
         self._producer = producer
 
-    async def stop(self, *, abort: bool = False) -> None:
+    async def stop(self, *, abort: bool = False, timeout_s: float | None = None) -> None:
         producer, self._producer = self._producer, None
         if producer is None:
             return
@@ -216,14 +235,28 @@ class KafkaPublisher:
             # recreated after errors (e.g. OutOfOrderSequenceNumber after a cluster restart)
             # may never deliver them, so fail them now: the lanes see the failure at once
             # instead of waiting for their bounded confirmation timeout (soak finding).
-            accumulator = getattr(producer, "_message_accumulator", None)
-            if accumulator is not None:
-                accumulator.fail_all(KafkaError("producer recreated after failures"))
+            _fail_undelivered(producer, "producer recreated after failures")
         # stop() flushes; bounded so a dead broker cannot hang shutdown forever.
-        timeout_s = 5.0 if abort else self._kwargs["request_timeout_ms"] / 1000 + 5
+        bound_s = 5.0 if abort else self._kwargs["request_timeout_ms"] / 1000 + 5
+        if timeout_s is not None:
+            bound_s = min(bound_s, timeout_s)
         try:
-            await asyncio.wait_for(producer.stop(), timeout_s)
-        except (TimeoutError, Exception) as exc:
+            if bound_s <= 0:
+                raise TimeoutError
+            await asyncio.wait_for(producer.stop(), bound_s)
+        except TimeoutError:
+            if timeout_s is not None and bound_s == timeout_s:
+                # The relay is stopping and its stop_timeout_s is spent: Kafka does not
+                # answer. Nothing unconfirmed was persisted; it is sent again after restart.
+                log.warning(
+                    "Kafka did not confirm every record within stop_timeout_s: the relay"
+                    " stops without them; they are sent again after the restart"
+                )
+            else:
+                log.warning("producer stop failed: %s", failure_reason(TimeoutError()))
+            _fail_undelivered(producer, "producer stopped before delivery")
+            await _force_close(producer)
+        except Exception as exc:
             log.warning("producer stop failed: %s", failure_reason(exc))
             await _force_close(producer)
 

@@ -59,6 +59,7 @@ import time
 from collections.abc import Callable
 
 from ledgerbox._core.backoff import Backoff
+from ledgerbox._core.stop import StopSignal
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._cursor import CursorBook
@@ -71,7 +72,6 @@ from ledgerbox.relay._pgstore import pg_store_factory
 from ledgerbox.relay._producer import SharedProducer
 from ledgerbox.relay._publisher import KafkaPublisher, Publisher
 from ledgerbox.relay._scaler import LaneScaler
-from ledgerbox.relay._stop import StopSignal
 from ledgerbox.relay._store import StoreFactory
 from ledgerbox.relay._wakeup import WakeUp, WakeUpDeps
 
@@ -119,7 +119,7 @@ class Relay:
         self.relay_id = config.member_id
         stores = store_factory or pg_store_factory(config)
         hooks = hooks or RelayHooks()
-        self._stop = StopSignal()
+        self._stop = StopSignal(config.stop_timeout_s)
         self._clock = clock
         self._health = RelayHealth(config.member_id, clock)
         backoff = Backoff(base_s=0.1, max_s=config.backoff_max_s)
@@ -208,7 +208,10 @@ class Relay:
     async def run(self) -> None:
         """Run until :meth:`stop` is called; then release the batch in flight, flush the
         producer, release the leases and the member row. Never raises on database or Kafka
-        errors (it backs off and retries)."""
+        errors (it backs off and retries). From :meth:`stop` on, waiting for Kafka
+        (confirmations, flush) takes at most ``config.stop_timeout_s`` seconds: what Kafka
+        has not confirmed by then is not persisted and is sent again by the next run
+        (docs/operations.md, "Stopping a daemon")."""
         tasks = [
             asyncio.create_task(self._leases.run(), name="relay-heartbeat"),
             asyncio.create_task(self._wakeup.run(), name="relay-listen"),

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ledgerbox._core.backoff import Backoff
+from ledgerbox._core.stop import StopSignal
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._errors import StoreError
-from ledgerbox.relay._stop import StopSignal
 from ledgerbox.relay._store import RelayStore
 
 __all__ = ["READ_PAUSE_MAX_S", "WakeUp", "WakeUpDeps"]

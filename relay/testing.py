@@ -71,7 +71,7 @@ class InMemoryPublisher:
         self.started = True
         self.start_count += 1
 
-    async def stop(self, *, abort: bool = False) -> None:
+    async def stop(self, *, abort: bool = False, timeout_s: float | None = None) -> None:
         self.started = False
 
     async def check(self) -> None:

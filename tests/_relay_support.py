@@ -320,8 +320,8 @@ class RefusingKafka:
     async def start(self) -> None:
         await self.inner.start()
 
-    async def stop(self, *, abort: bool = False) -> None:
-        await self.inner.stop(abort=abort)
+    async def stop(self, *, abort: bool = False, timeout_s: float | None = None) -> None:
+        await self.inner.stop(abort=abort, timeout_s=timeout_s)
 
     def precheck(self, record: OutboundRecord) -> PublishError | None:
         if self.refuse and b'"bad"' in record.value:

@@ -94,8 +94,8 @@ class _TimedPublisher:
     async def start(self) -> None:
         await self.inner.start()
 
-    async def stop(self, *, abort: bool = False) -> None:
-        await self.inner.stop(abort=abort)
+    async def stop(self, *, abort: bool = False, timeout_s: float | None = None) -> None:
+        await self.inner.stop(abort=abort, timeout_s=timeout_s)
 
     async def check(self) -> None:
         await self.inner.check()

@@ -50,6 +50,7 @@ SAMPLE: dict[str, Any] = {
     "cleanup_batch_size": 50,
     "cleanup_pause_s": 0.5,
     "backoff_max_s": 3.0,
+    "stop_timeout_s": 4.0,
 }
 #: Every RelayConfig field that is a setting (``kafka`` is an object: its settings are the
 #: ``kafka_*`` ones, tested in tests/unit/test_kafka_settings.py).

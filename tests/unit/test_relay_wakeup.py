@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from ledgerbox._core.backoff import Backoff
-from ledgerbox.relay._stop import StopSignal
+from ledgerbox._core.stop import StopSignal
 from ledgerbox.relay._wakeup import READ_PAUSE_MAX_S, WakeUp, WakeUpDeps
 
 

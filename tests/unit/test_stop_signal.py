@@ -1,0 +1,87 @@
+"""``StopSignal``: the stop flag of the daemons and the bound it puts on waits for Kafka
+(``stop_timeout_s``, docs/operations.md "Stopping a daemon")."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import time
+
+import pytest
+
+from ledgerbox._core.stop import StopSignal
+
+
+async def test_bounded_returns_what_completes_in_time() -> None:
+    stop = StopSignal(grace_s=0.05)
+
+    async def answer() -> int:
+        await asyncio.sleep(0.01)
+        return 42
+
+    assert await stop.bounded(answer(), math.inf) == 42
+    assert stop.left_s() == math.inf  # not stopping: no grace running
+
+
+async def test_bounded_gives_up_after_its_own_timeout_when_not_stopping() -> None:
+    stop = StopSignal(grace_s=math.inf)
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    with pytest.raises(TimeoutError):
+        await stop.bounded(never, 0.05)
+    assert never.cancelled()
+
+
+async def test_a_stop_during_the_wait_ends_it_after_the_grace_period() -> None:
+    stop = StopSignal(grace_s=0.2)
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_later(0.05, stop.set)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await stop.bounded(never, math.inf)
+    took = time.monotonic() - started
+    assert 0.2 <= took < 1.0, took  # 0.05 s until the stop, then the 0.2 s grace
+    assert never.cancelled()
+
+
+async def test_the_grace_is_shared_by_the_waits_after_the_stop() -> None:
+    stop = StopSignal(grace_s=0.1)
+    stop.set()
+    assert 0 < stop.left_s() <= 0.1
+    with pytest.raises(TimeoutError):
+        await stop.bounded(asyncio.sleep(10), math.inf)
+    assert stop.left_s() == 0.0
+    # Spent: a wait on something not done yet gives up at once ...
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await stop.bounded(asyncio.sleep(10), math.inf)
+    assert time.monotonic() - started < 0.05
+    # ... but what is already done is still returned.
+    done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    done.set_result(7)
+    assert await stop.bounded(done, math.inf) == 7
+
+
+async def test_a_cancelled_gather_leaves_no_unretrieved_exception(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stop = StopSignal(grace_s=0.0)
+    stop.set()
+    loop = asyncio.get_running_loop()
+    pending = [loop.create_future() for _ in range(3)]
+    with pytest.raises(TimeoutError):
+        await stop.bounded(asyncio.gather(*pending, return_exceptions=True), math.inf)
+    await asyncio.sleep(0)
+    assert all(f.cancelled() for f in pending)
+    del pending
+    gc.collect()  # the loop reports an unretrieved exception when the future is collected
+    assert "exception was never retrieved" not in caplog.text
+
+
+async def test_sleep_ends_at_once_when_stopping() -> None:
+    stop = StopSignal()
+    asyncio.get_running_loop().call_later(0.02, stop.set)
+    started = time.monotonic()
+    await stop.sleep(10)
+    assert time.monotonic() - started < 1.0
+    assert stop.is_set()
