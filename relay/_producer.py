@@ -9,9 +9,10 @@ after every third one (docs/relay.md, "Failures").
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from ledgerbox._core.backoff import Backoff
@@ -66,6 +67,9 @@ class SharedProducer:
         self._before_first_send = hooks.before_first_send
         self._ready = False
         self._lock = asyncio.Lock()
+        # A Publisher written before Publisher.stop() took timeout_s (ledgerbox 0.2) is
+        # still served: its stop is bounded from outside.
+        self._stop_takes_timeout = _takes_keyword(publisher.stop, "timeout_s")
         self._failures = 0
         self._next_probe = 0.0
         # Since when Kafka does not answer at all (not: answers with a refusal).
@@ -183,6 +187,31 @@ class SharedProducer:
             if self._ready:
                 self._ready = False
                 left_s = self._stop.left_s()
-                await self.publisher.stop(
-                    abort=abort, timeout_s=None if left_s == math.inf else left_s
-                )
+                if self._stop_takes_timeout:
+                    await self.publisher.stop(
+                        abort=abort, timeout_s=None if left_s == math.inf else left_s
+                    )
+                elif left_s == math.inf:
+                    await self.publisher.stop(abort=abort)
+                else:
+                    try:
+                        await asyncio.wait_for(self.publisher.stop(abort=abort), left_s)
+                    except TimeoutError:
+                        log.warning(
+                            "publisher did not stop within stop_timeout_s: the relay stops "
+                            "without it; what Kafka did not confirm is sent again after "
+                            "the restart"
+                        )
+
+
+def _takes_keyword(function: Callable[..., Any], name: str) -> bool:
+    """Whether ``function`` accepts the keyword argument ``name`` (or any keyword)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: assume the current Protocol
+        return True
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == name and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for p in parameters
+    )
