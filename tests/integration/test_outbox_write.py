@@ -751,3 +751,26 @@ def test_model_copy_with_an_update_is_validated_and_staged_like_a_new_event(
     with engine.connect() as conn:
         stored = conn.execute(sa.text("SELECT partition_key FROM outbox")).scalar_one()
     assert stored == "customer-7"
+
+
+@pytest.mark.timeout(30)
+def test_a_circular_payload_is_refused_at_stage_instead_of_hanging_the_constructor(
+    engine: Engine,
+) -> None:
+    # Before: the constructor's storable-text walk looped forever on a payload that contains
+    # itself (100% CPU in the request that built the event, never an error).
+    from pydantic import ValidationError
+
+    loop: dict[str, Any] = {"amount": 1}
+    loop["self"] = loop
+    event = EventEnvelope(**{**dict(_event(96)), "payload": loop})
+    with Session(engine) as session, session.begin():
+        with pytest.raises(EventValidationError, match="payload is not JSON-ready"):
+            WRITER.stage(session, event)
+        session.rollback()
+    assert _count(engine) == 0
+    shared = {"note": "same dict twice is fine"}
+    assert EventEnvelope(**{**dict(_event(97)), "payload": {"a": shared, "b": [shared]}})
+    loop["bad"] = "a\x00b"
+    with pytest.raises(ValidationError, match="NUL"):
+        EventEnvelope(**{**dict(_event(98)), "payload": loop})
