@@ -351,7 +351,8 @@ def dumps_payload(payload: Mapping[str, Any]) -> bytes:
     Raises
     ------
     EventValidationError
-        If the payload is not JSON-ready (a ``Decimal``, a ``datetime``, NaN or +-Infinity):
+        If the payload is not JSON-ready (a ``Decimal``, a ``datetime``, NaN or +-Infinity,
+        a container that contains itself, or nested too deeply for ``json.dumps``):
         an envelope built directly, not by :meth:`OutboxWriter.event` (which converts the
         payload with :func:`to_json_payload`). Before, ``TypeError`` from ``json.dumps``, or
         PostgreSQL's ``DataError`` for a NaN at the flush.
@@ -362,5 +363,9 @@ def dumps_payload(payload: Mapping[str, Any]) -> bytes:
         raise EventValidationError(
             f"payload is not JSON-ready ({exc}): build events with OutboxWriter.event(), "
             "which converts it"
+        ) from None
+    except RecursionError:  # json.dumps past the interpreter's limit: it escaped stage as is
+        raise EventValidationError(
+            "payload is nested too deeply to be encoded as JSON: flatten it"
         ) from None
     return text.encode("utf-8")

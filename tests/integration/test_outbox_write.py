@@ -774,3 +774,25 @@ def test_a_circular_payload_is_refused_at_stage_instead_of_hanging_the_construct
     loop["bad"] = "a\x00b"
     with pytest.raises(ValidationError, match="NUL"):
         EventEnvelope(**{**dict(_event(98)), "payload": loop})
+
+
+def test_a_payload_nested_too_deeply_is_refused_at_stage_with_event_validation_error(
+    engine: Engine,
+) -> None:
+    # Before: json's RecursionError escaped stage (not an EventValidationError).
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(5000):
+        node["a"] = {}
+        node = node["a"]
+    event = EventEnvelope(**{**dict(_event(99)), "payload": deep})
+    good = _event(100)
+    for stage in (WRITER.stage_many, WRITER.stage_once):
+        with Session(engine) as session, session.begin():
+            with pytest.raises(EventValidationError, match="nested too deeply"):
+                if stage is WRITER.stage_many:
+                    WRITER.stage_many(session, [good, event])
+                else:
+                    WRITER.stage_once(session, event)
+            session.rollback()
+    assert _count(engine) == 0
