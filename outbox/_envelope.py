@@ -137,6 +137,28 @@ class EventEnvelope(BaseModel):
             return super().model_copy(deep=deep)
         return self.model_validate({**dict(self), **update})
 
+    def copy(
+        self,
+        *,
+        include: Any = None,
+        exclude: Any = None,
+        update: dict[str, Any] | None = None,
+        deep: bool = False,
+    ) -> Self:
+        """pydantic's deprecated ``copy``, validated like :meth:`model_copy` (pydantic's own
+        sets ``update`` and drops the ``exclude`` fields unchecked: an empty partition key, a
+        naive ``occurred_at`` or a NUL reached the outbox). Use :meth:`model_copy`.
+
+        Raises
+        ------
+        pydantic.ValidationError
+            If the copy is not a valid envelope (as the constructor).
+        """
+        copied = super().copy(include=include, exclude=exclude, deep=deep)
+        if update is None and include is None and exclude is None:
+            return copied
+        return self.model_validate({**dict(copied), **(update or {})})
+
     def payload_as(self, model: type[M]) -> M:
         """Validate the payload into ``model`` (e.g. restores ``Decimal`` and ``UUID`` exactly).
 

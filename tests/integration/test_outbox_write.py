@@ -796,3 +796,27 @@ def test_a_payload_nested_too_deeply_is_refused_at_stage_with_event_validation_e
                     WRITER.stage_once(session, event)
             session.rollback()
     assert _count(engine) == 0
+
+
+def test_the_deprecated_copy_validates_like_model_copy(engine: Engine) -> None:
+    # Before: pydantic's deprecated copy(update=...) skipped every validator, and stage wrote
+    # an empty partition key or a naive occurred_at, and failed the flush on a NUL.
+    from pydantic import PydanticDeprecatedSince20, ValidationError
+
+    event = _event(101)
+    with pytest.warns(PydanticDeprecatedSince20):
+        for bad, what in (
+            ({"partition_key": ""}, "partition_key"),
+            ({"occurred_at": dt.datetime(2026, 1, 1)}, "occurred_at"),
+            ({"event_type": "Order\x00Placed"}, "NUL"),
+        ):
+            with pytest.raises(ValidationError, match=what):
+                event.copy(update={**bad, "event_id": uuid.uuid4()})
+        with pytest.raises(ValidationError, match="partition_key"):
+            event.copy(exclude={"partition_key"})
+        moved = event.copy(update={"partition_key": "customer-8"})
+        assert event.copy() == event
+    assert moved.partition_key == "customer-8" and moved.event_id == event.event_id
+    with Session(engine) as session, session.begin():
+        WRITER.stage(session, moved)
+    assert _count(engine) == 1
