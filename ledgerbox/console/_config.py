@@ -276,4 +276,7 @@ def _service(path: str | Path, index: int, table: Any, env: Mapping[str, str]) -
             f"{where}: name and database_url (or database_url_env) are required",
             setting="services_file",
         )
-    return ServiceTarget(**values)
+    try:
+        return ServiceTarget(**values)
+    except ConfigurationError as exc:  # the value is the file's: name it, not a flag
+        raise ConfigurationError(f"{where}: {exc}", setting="services_file") from None

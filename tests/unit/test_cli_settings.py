@@ -551,3 +551,25 @@ def test_a_consumer_config_refuses_an_inbox_table_too_long_naming_the_setting() 
         ConsumerConfig(**base, inbox_table="i" * 47)
     assert info.value.setting == "inbox_table"
     ConsumerConfig(**base, inbox_table="i" * 46)
+
+
+def test_a_bad_table_name_in_the_consoles_services_file_names_the_file_not_a_flag(
+    tmp_path: Path,
+) -> None:
+    # Before: 'ledgerbox console: outbox table ... use at most 44 chars (got 'outbox'); set
+    # --outbox-table or LEDGERBOX_CONSOLE_OUTBOX_TABLE': the value came from the file, and
+    # setting that flag changed nothing.
+    from ledgerbox.console import _cli as console_cli
+
+    path = tmp_path / "console.toml"
+    path.write_text(
+        f'[[service]]\nname = "pay"\ndatabase_url = "{URL}"\noutbox_table = "{"o" * 45}"\n'
+    )
+    result = CliRunner().invoke(console_cli.app, ["--services-file", str(path)])
+    assert result.exit_code == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"ledgerbox console: services file {path}, service 1: outbox table "), (
+        line
+    )
+    assert "use at most 44 chars" in line and "--outbox-table" not in line, line
+    assert line.endswith("; set --services-file or LEDGERBOX_CONSOLE_SERVICES_FILE"), line
