@@ -79,7 +79,12 @@ def migrate(values: Values, ctx: typer.Context) -> None:
 
     from ledgerbox import migrations
     from ledgerbox._core.errors import ConfigurationError, LedgerboxError
-    from ledgerbox._core.identifiers import inbox_table_name, outbox_table_name, sql_identifier
+    from ledgerbox._core.identifiers import (
+        inbox_table_name,
+        outbox_notify_channel,
+        outbox_table_name,
+        sql_identifier,
+    )
 
     checks = {"outbox_table": outbox_table_name, "inbox_table": inbox_table_name}
     for name in NAME_SETTINGS:
@@ -89,6 +94,10 @@ def migrate(values: Values, ctx: typer.Context) -> None:
             except ConfigurationError as exc:
                 MIGRATE_SETTINGS.fail(ConfigurationError(str(exc), setting=name), values)
     names = migrations.Names(**{name: values[name] for name in NAME_SETTINGS})
+    try:  # the pair's NOTIFY channel: else "migrate failed: ConfigurationError: ..."
+        outbox_notify_channel(names.outbox_table, names.schema)
+    except ConfigurationError as exc:
+        MIGRATE_SETTINGS.fail(ConfigurationError(str(exc), setting="outbox_table"), values)
     try:
         migrations.upgrade_database(values["database_url"], names, values["revision"])
     except (LedgerboxError, SQLAlchemyError) as exc:

@@ -18,7 +18,11 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.orm import registry
 
-from ledgerbox._core.identifiers import outbox_table_name, sql_identifier
+from ledgerbox._core.identifiers import (
+    outbox_notify_channel,
+    outbox_table_name,
+    sql_identifier,
+)
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
 from ledgerbox.outbox._types import Xid8
 
@@ -99,14 +103,9 @@ class OutboxTable:
 
         self.name = outbox_table_name(name)
         self.schema = None if schema is None else sql_identifier(schema, "schema")
-        if len(self.notify_channel) > MAX_CHANNEL_CHARS:
-            # pg_notify refuses a longer channel ("channel name too long"): the migration
-            # passed and then every INSERT failed in the NOTIFY trigger.
-            raise ConfigurationError(
-                f"outbox table name {name!r} and schema {schema!r} make the notify channel "
-                f"{self.notify_channel!r} {len(self.notify_channel)} chars, over PostgreSQL's "
-                f"{MAX_CHANNEL_CHARS}: shorten the table or schema name"
-            )
+        # pg_notify refuses a longer channel ("channel name too long"): the migration
+        # passed and then every INSERT failed in the NOTIFY trigger.
+        outbox_notify_channel(self.name, self.schema)
         if not 1 <= shard_count <= 32767:
             raise ConfigurationError(f"shard_count must be in 1..32767, got {shard_count}")
         self.shard_count = shard_count

@@ -11,7 +11,11 @@ from typing import Literal
 
 from ledgerbox._core.database_url import check_database_url, libpq_url
 from ledgerbox._core.errors import ConfigurationError
-from ledgerbox._core.identifiers import outbox_table_name, sql_identifier
+from ledgerbox._core.identifiers import (
+    outbox_notify_channel,
+    outbox_table_name,
+    sql_identifier,
+)
 from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
 from ledgerbox._core.redaction import remember_url
@@ -158,6 +162,14 @@ class RelayConfig:
         _identifier(self.outbox_table, "outbox_table", "outbox table name", outbox_table_name)
         if self.schema is not None:
             _identifier(self.schema, "schema", "schema", sql_identifier)
+        # The pair's NOTIFY channel (the relay LISTENs on it): else 'relay down: run ledgerbox
+        # migrate', and migrate refused the pair.
+        _identifier(
+            self.outbox_table,
+            "outbox_table",
+            "outbox table name",
+            lambda table, _: outbox_notify_channel(table, self.schema),
+        )
         _check(1 <= self.batch_size <= 100_000, "batch_size", "must be in 1..100000")
         _check(1 <= self.lanes <= 64, "lanes", "must be in 1..64")
         _check(self.poll_interval_s > 0, "poll_interval_s", "must be > 0")

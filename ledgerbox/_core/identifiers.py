@@ -119,6 +119,27 @@ def _table_name(value: str, what: str, derived: tuple[str, ...]) -> str:
     return value
 
 
+def outbox_notify_channel(table: str, schema: str | None) -> str:
+    """The LISTEN/NOTIFY channel of the outbox table ``table`` in ``schema`` (``None``: the
+    search path): ``<table>_<schema or "default">_ledgerbox``, docs/outbox.md.
+
+    Raises
+    ------
+    ConfigurationError
+        If it is over PostgreSQL's 63 chars: ``pg_notify`` refuses it ("channel name too
+        long"), so every INSERT would fail in the NOTIFY trigger. Checked where the pair is
+        configured (``OutboxTable``, ``RelayConfig``, ``ledgerbox migrate``).
+    """
+    channel = f"{table}_{schema or 'default'}_ledgerbox"
+    if len(channel) > MAX_IDENTIFIER_CHARS:
+        raise ConfigurationError(
+            f"outbox table name {table!r} and schema {schema!r} make the notify channel "
+            f"{channel!r} {len(channel)} chars, over PostgreSQL's {MAX_IDENTIFIER_CHARS}: "
+            "shorten the table or schema name"
+        )
+    return channel
+
+
 def kafka_topic(value: str) -> str:
     """Return ``value`` if it is a legal Kafka topic name, else raise ``ConfigurationError``."""
     if not isinstance(value, str) or not _KAFKA_TOPIC.fullmatch(value) or value in {".", ".."}:

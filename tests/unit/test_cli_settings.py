@@ -573,3 +573,30 @@ def test_a_bad_table_name_in_the_consoles_services_file_names_the_file_not_a_fla
     )
     assert "use at most 44 chars" in line and "--outbox-table" not in line, line
     assert line.endswith("; set --services-file or LEDGERBOX_CONSOLE_SERVICES_FILE"), line
+
+
+def test_a_table_and_schema_whose_notify_channel_is_too_long_are_refused_naming_the_flag(
+    captured: _Captured,
+) -> None:
+    # Before: the relay took the pair ('relay down: tables ... do not exist: run ledgerbox
+    # migrate') and migrate then printed 'migrate failed: ConfigurationError: ...', naming
+    # no flag; the NOTIFY channel <table>_<schema>_ledgerbox (65 chars here) is over 63.
+    from ledgerbox.cli import app as ledgerbox_app
+
+    pair = ["--outbox-table", "o" * 44, "--schema", "s" * 10]
+    result = _relay("--database-url", URL, *pair)
+    assert result.exit_code == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith("ledgerbox relay: outbox table name ") and "65 chars" in line, line
+    assert line.endswith("; set --outbox-table or LEDGERBOX_RELAY_OUTBOX_TABLE"), line
+    assert captured.configs == []
+    result = CliRunner().invoke(ledgerbox_app, ["migrate", "--database-url", URL, *pair])
+    assert result.exit_code == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith("ledgerbox migrate: outbox table name ") and "65 chars" in line, line
+    assert line.endswith("; set --outbox-table or LEDGERBOX_MIGRATE_OUTBOX_TABLE"), line
+    assert (
+        _relay("--database-url", URL, "--outbox-table", "o" * 44, "--schema", "s" * 8).exit_code
+        == 0
+    )
+    assert [c.schema for c in captured.configs] == ["s" * 8]
