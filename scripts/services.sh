@@ -703,8 +703,11 @@ node_logged_since_start() {  # node_logged_since_start ROLE N REGEX: did the nod
     [ -f "$f" ] && ! [ "$d/logs/.start-time" -nt "$f" ] && files+=("$f")
   done
   [ "${#files[@]}" -gt 0 ] || return 1
+  # A stamped line starts with log4j's [%d] exactly ("[yyyy-MM-dd HH:mm:ss,SSS]", 25 chars):
+  # another line starting with "[" (a multi-line message) compared as later than any stamp.
   awk -v start="[$start]" -v re="$3" '
-    /^\[/ && substr($0, 1, 25) >= start && $0 ~ re { found = 1; exit }
+    /^\[[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9] [0-9][0-9]:[0-9][0-9]:[0-9][0-9],[0-9][0-9][0-9]\]/ &&
+      substr($0, 1, 25) >= start && $0 ~ re { found = 1; exit }
     END { exit !found }' "${files[@]}"
 }
 

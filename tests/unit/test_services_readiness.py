@@ -99,3 +99,21 @@ def test_no_launch_recorded_means_not_ready(tmp_path: Path) -> None:
     logs = _logs(tmp_path)
     (logs / "server.log").write_text(_line("2026-12-01 23:33:51,059", UNFENCED))
     assert not _logged_since_start(tmp_path)
+
+
+def test_a_line_starting_with_a_bracket_but_no_stamp_does_not_count(tmp_path: Path) -> None:
+    # Before: any line starting with "[" was taken as stamped, and "[B..." compares later
+    # than every "[2026-..." stamp: a multi-line message quoting the ready line (or a line of
+    # an earlier launch in another layout) made a broker that was not ready count as ready.
+    logs = _logs(tmp_path)
+    (logs / ".start-time").write_text("2026-12-01 23:33:48,000\n")
+    time.sleep(0.05)
+    (logs / "server.log").write_text(
+        _line("2026-12-01 23:33:49,000", "INFO a message of two lines: (kafka.x)")
+        + "[BrokerLifecycleManager id=1] The broker has been unfenced (quoted)\n"
+        + "[2026-12-01T23:40:00,000] INFO The broker has been unfenced. (another layout)\n"
+    )
+    assert not _logged_since_start(tmp_path)
+    with (logs / "server.log").open("a") as f:
+        f.write(_line("2026-12-01 23:33:51,059", UNFENCED))
+    assert _logged_since_start(tmp_path)
