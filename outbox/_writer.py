@@ -281,6 +281,9 @@ class OutboxWriter:
         ------
         PayloadTooLargeError
             The payload exceeds ``max_payload_bytes``; nothing is staged.
+        EventValidationError
+            The payload is not JSON-ready (an envelope built directly: a ``Decimal``, a
+            ``datetime``, NaN, a circular or too deeply nested payload); nothing is staged.
         """
         self.stage_many(target, (event,))
 
@@ -292,6 +295,10 @@ class OutboxWriter:
         ------
         PayloadTooLargeError
             Any payload exceeds ``max_payload_bytes``; none of the events is staged.
+        EventValidationError
+            A payload is not JSON-ready (an envelope built directly: a ``Decimal``, a
+            ``datetime``, NaN, a circular or too deeply nested payload); none of the events
+            is staged.
         """
         pairs = [self._rows(event) for event in events]
         if not pairs:
@@ -338,6 +345,9 @@ class OutboxWriter:
         ------
         PayloadTooLargeError
             The payload exceeds ``max_payload_bytes``; nothing is written.
+        EventValidationError
+            The payload is not JSON-ready (an envelope built directly: a ``Decimal``, a
+            ``datetime``, NaN, a circular or too deeply nested payload); nothing is written.
         EventIdConflictError
             The event id is stored under another idempotency key (a caller-chosen
             ``event_id`` reused); nothing is written.
