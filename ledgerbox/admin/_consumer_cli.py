@@ -85,7 +85,7 @@ def _run(command: str, make: Callable[[], Coroutine[Any, Any, T]], db: Database 
 
 
 def _database(command: str, values: Values) -> Database:
-    return database(f"ledgerbox consumer {command}", values, inbox_table="inbox")
+    return database(f"ledgerbox consumer {command}", values, CONSUMER_SETTINGS, inbox_table="inbox")
 
 
 def _filter(command: str, values: Values, *, include_done: bool = False) -> DlqFilter:

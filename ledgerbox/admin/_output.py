@@ -15,7 +15,7 @@ import typer
 from ledgerbox._core.database_url import database_remedy
 from ledgerbox._core.errors import ConfigurationError, DatabaseError, LedgerboxError
 from ledgerbox._core.redaction import scrub
-from ledgerbox._core.settings import Values
+from ledgerbox._core.settings import CommandSettings, Values
 
 if TYPE_CHECKING:
     from ledgerbox.admin._types import Database
@@ -56,10 +56,13 @@ def run(command: str, make: Callable[[], Coroutine[Any, Any, T]], db: Database |
         raise fail(command, exc) from None
 
 
-def database(command: str, values: Values, **tables: str) -> Database:
+def database(
+    command: str, values: Values, settings: CommandSettings | None = None, **tables: str
+) -> Database:
     """The :class:`~ledgerbox.admin.Database` of ``--database-url`` / ``--schema`` and the
     table names given (``outbox_table=...`` or ``inbox_table=...``: the setting's value, else
-    the default passed); no URL or a bad name is one line and exit 2."""
+    the default passed); no URL or a bad name is one line and exit 2, naming the flag and
+    variables of the setting (from ``settings``, the command's)."""
     from ledgerbox.admin._types import Database
 
     if not values["database_url"]:
@@ -72,6 +75,11 @@ def database(command: str, values: Values, **tables: str) -> Database:
             schema=values["schema"],
             **{name: values[name] or default for name, default in tables.items()},
         )
+    except ConfigurationError as exc:
+        name = exc.setting
+        if settings is not None and name is not None and name in settings.settings:
+            raise fail(command, f"{exc}; set {settings.where(name)}") from None
+        raise fail(command, exc) from None
     except LedgerboxError as exc:
         raise fail(command, exc) from None
 

@@ -60,7 +60,9 @@ def _run(command: str, make: Callable[[], Coroutine[Any, Any, T]], db: Database)
 
 
 def _database(command: str, values: Values) -> Database:
-    return database(f"ledgerbox relay dead {command}", values, outbox_table="outbox")
+    return database(
+        f"ledgerbox relay dead {command}", values, RELAY_SETTINGS, outbox_table="outbox"
+    )
 
 
 def _filter(command: str, values: Values) -> DeadFilter:

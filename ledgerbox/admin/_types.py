@@ -8,6 +8,7 @@ import dataclasses
 import datetime as dt
 import getpass
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,10 +95,17 @@ class Database:
 
     def __post_init__(self) -> None:
         _check_url(self.url)
-        outbox_table_name(self.outbox_table)
-        inbox_table_name(self.inbox_table)
+        checks: list[tuple[Callable[[str, str], str], str, str]] = [
+            (outbox_table_name, self.outbox_table, "outbox_table"),
+            (inbox_table_name, self.inbox_table, "inbox_table"),
+        ]
         if self.schema is not None:
-            sql_identifier(self.schema, "schema")
+            checks.append((sql_identifier, self.schema, "schema"))
+        for check, value, setting in checks:
+            try:
+                check(value, setting.replace("_", " "))
+            except ConfigurationError as exc:  # a command's line names the flag (setting)
+                raise ConfigurationError(str(exc), setting=setting) from None
 
     @property
     def label(self) -> str:

@@ -70,3 +70,36 @@ def test_kafka_unreachable_is_one_line_on_stderr(args: tuple[str, ...]) -> None:
     assert out.returncode == 2, out.stderr
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("ledgerbox consumer ") and "KafkaConnectionError" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (
+            ("consumer", "dlq", "list", "--dlq-topic", "o.dlq", "--inbox-table", "i" * 47),
+            "--inbox-table or LEDGERBOX_CONSUMER_INBOX_TABLE",
+        ),
+        (
+            ("relay", "dead", "list", "--outbox-table", "order"),
+            "--outbox-table or LEDGERBOX_RELAY_OUTBOX_TABLE",
+        ),
+        (("relay", "dead", "list", "--schema", "Bad"), "--schema or LEDGERBOX_RELAY_SCHEMA"),
+    ],
+)
+def test_an_operator_command_refuses_a_bad_name_naming_the_flag(
+    args: tuple[str, ...], flag: str
+) -> None:
+    # Before: one line, but no flag named ('ledgerbox consumer dlq list: inbox table name ...
+    # use at most 46 chars'): admin.Database set no setting on its ConfigurationError.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "LEDGERBOX_"))}
+    out = subprocess.run(
+        [sys.executable, "-m", "ledgerbox", *args, "--database-url", NOWHERE],
+        env={**env, "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.endswith(f"; set {flag}"), line
