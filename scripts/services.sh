@@ -668,6 +668,8 @@ node_launch() {  # node_launch ROLE N: start the JVM if not running (does not wa
   d="$(node_dir "$role" "$n")"
   if pid="$(node_pid "$role" "$n")"; then
     [ "$(node_state "$pid")" = "T" ] && { log "$role $n (pid $pid) was paused: SIGCONT"; kill -CONT "$pid"; }
+    # Launched by a script from before .start-time existed: its launch is the process's start.
+    [ -f "$d/logs/.start-time" ] || proc_start_stamp "$pid" "$d/logs/.start-time" || true
     return 0
   fi
   rm -f "$d/kafka.pid"
@@ -689,6 +691,15 @@ node_launch() {  # node_launch ROLE N: start the JVM if not running (does not wa
     >>"$d/logs/stdout.log" 2>&1 </dev/null 3>&- 8>&- 9>&-) &
   for _ in $(seq 1 50); do node_pid "$role" "$n" >/dev/null && return 0; sleep 0.1; done
   show_log "$d/logs/stdout.log"; die "$role $n JVM did not start"
+}
+
+proc_start_stamp() {  # proc_start_stamp PID FILE: when PID started, as a launch stamp in FILE
+  # (log4j's format, UTC, whole seconds), FILE's mtime set to it
+  local ticks btime epoch
+  ticks="$(awk '{print $22}' "/proc/$1/stat" 2>/dev/null)" || return 1
+  btime="$(awk '/^btime/ {print $2}' /proc/stat)"
+  epoch=$((btime + ticks / $(getconf CLK_TCK)))
+  TZ=UTC date -d "@$epoch" '+%Y-%m-%d %H:%M:%S,000' >"$2" && touch -d "@$epoch" "$2"
 }
 
 node_logged_since_start() {  # node_logged_since_start ROLE N REGEX: did the node log a line
@@ -721,6 +732,10 @@ node_wait_ready() {  # node_wait_ready ROLE N: a broker is ready once unfenced; 
     if port_open "$port"; then
       if [ "$role" = controller ]; then return 0; fi
       if node_logged_since_start broker "$n" "has been unfenced|Kafka Server started"; then return 0; fi
+      # Logged so much since its launch that log4j rolled the line away (server.log.3, the
+      # last kept, written since then: 60 MB or more): a broker up that long is ready.
+      if [ -f "$d/logs/server.log.3" ] && ! [ "$d/logs/.start-time" -nt "$d/logs/server.log.3" ] \
+        && [ -f "$d/logs/.start-time" ]; then return 0; fi
     fi
     if [ "$SECONDS" -ge "$deadline" ]; then
       show_log "$d/logs/server.log" 60; die "$role $n (pid $pid) not ready after ${TIMEOUT}s"

@@ -10,7 +10,9 @@ The function is run from the sourced script (bash and awk only, no service).
 
 from __future__ import annotations
 
+import datetime as dt
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -116,4 +118,40 @@ def test_a_line_starting_with_a_bracket_but_no_stamp_does_not_count(tmp_path: Pa
     assert not _logged_since_start(tmp_path)
     with (logs / "server.log").open("a") as f:
         f.write(_line("2026-12-01 23:33:51,059", UNFENCED))
+    assert _logged_since_start(tmp_path)
+
+
+def test_a_broker_launched_without_a_start_stamp_gets_its_process_start(tmp_path: Path) -> None:
+    # A broker still running from a script before .start-time existed: `up` found it running,
+    # wrote no stamp, and waited 90 s for a line it could never match (reviewer, F8a). Its
+    # launch is now its process's start (/proc), the stamp's mtime set to it.
+    logs = _logs(tmp_path)
+    stamp = logs / ".start-time"
+    proc = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f'source "{SERVICES_SCRIPT}"; proc_start_stamp $$ "$1"; echo $$',
+            "-",
+            stamp,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    pid = int(proc.stdout.strip())
+    text = stamp.read_text().strip()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,000", text), text
+    started = dt.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,000").replace(tzinfo=dt.UTC)
+    now = dt.datetime.now(dt.UTC)
+    assert dt.timedelta(0) <= now - started < dt.timedelta(hours=1), (pid, started, now)
+    assert abs(stamp.stat().st_mtime - started.timestamp()) < 1
+    # The broker's log, written since, is read: its ready line counts.
+    (logs / "server.log").write_text(
+        _line((started - dt.timedelta(seconds=5)).strftime("%Y-%m-%d %H:%M:%S,000"), UNFENCED)
+    )
+    assert not _logged_since_start(tmp_path)  # before the process started: an earlier launch
+    with (logs / "server.log").open("a") as f:
+        f.write(_line(now.strftime("%Y-%m-%d %H:%M:%S,%f")[:23], UNFENCED))
     assert _logged_since_start(tmp_path)
