@@ -261,7 +261,7 @@ def _all_storable(value: Any) -> bool:
             seen.add(id(node))
         if isinstance(node, dict):
             for key, item in node.items():
-                if isinstance(key, str) and not _storable(key):
+                if not isinstance(key, str) or not _storable(key):
                     return False
                 if isinstance(item, str):
                     if "\x00" in item or (not item.isascii() and not _storable(item)):
@@ -295,8 +295,12 @@ def _check_strings(value: Any, path: str, seen: set[int] | None = None) -> None:
     seen.add(id(value))
     if isinstance(value, dict):
         for key, item in value.items():
-            if isinstance(key, str):
-                check_text(key, f"{path} key {key!r}")
+            if not isinstance(key, str):  # json.dumps would make it one, silently
+                raise ValueError(
+                    f"{path} key {key!r} is not a string (JSON object keys are): build the "
+                    "event with OutboxWriter.event(), which converts keys"
+                )
+            check_text(key, f"{path} key {key!r}")
             _check_strings(item, f"{path}.{key}", seen)
     else:
         for index, item in enumerate(value):
@@ -328,6 +332,8 @@ def _check_values(value: Any, path: str) -> None:
         if value.tzinfo is None or value.tzinfo.utcoffset(value) is None:
             raise NaiveDatetimeError(path)
     elif isinstance(value, Mapping):
+        if not all(type(key) is str for key in value):
+            _check_keys(value, path)
         for key, item in value.items():
             _check_values(item, f"{path}.{key}")
     elif isinstance(value, list | tuple):
@@ -336,6 +342,24 @@ def _check_values(value: Any, path: str) -> None:
     elif isinstance(value, BaseModel):
         for name in type(value).model_fields:
             _check_values(getattr(value, name), f"{path}.{name}")
+
+
+def _check_keys(value: Mapping[Any, Any], path: str) -> None:
+    """Raise if two keys of ``value`` become one JSON key (``1`` and ``"1"``): the JSON form
+    kept one of the two values and dropped the other without a word."""
+    seen: dict[str, Any] = {}
+    for key in value:
+        try:
+            text = key if isinstance(key, str) else to_jsonable_python({key: None})
+        except Exception:  # not a key JSON can carry: to_jsonable_python says so later
+            continue
+        text = text if isinstance(text, str) else next(iter(text))
+        if text in seen:
+            raise EventValidationError(
+                f"{path}: keys {seen[text]!r} and {key!r} are the same JSON key {text!r} "
+                "(one value would be lost): use distinct string keys"
+            )
+        seen[text] = key
 
 
 def to_json_payload(payload: BaseModel | Mapping[str, Any]) -> dict[str, Any]:

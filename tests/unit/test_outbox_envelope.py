@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pydantic import AwareDatetime, BaseModel
+from pydantic import AwareDatetime, BaseModel, ValidationError
 from sqlalchemy.orm import Session
 
 from ledgerbox import ConfigurationError, LedgerboxError
@@ -476,3 +476,32 @@ def test_the_fast_storable_test_agrees_with_the_walk_that_names_the_place(value:
     except ValueError:
         named = False
     assert _all_storable(value) is named
+
+
+def test_keys_that_become_one_json_key_are_refused_not_silently_merged() -> None:
+    # Before: {1: "x", "1": "y"} became {"1": "y"}: one value dropped without a word (the JSON
+    # form of the key 1 is "1"). Distinct non-string keys are still converted.
+    writer = _writer()
+
+    def event(payload: dict[str, Any]) -> Any:
+        return writer.event(
+            event_type="E", aggregate_type="a", aggregate_id=1, payload=payload, idempotency_key="k"
+        )
+
+    with pytest.raises(EventValidationError, match=r"payload\.lines: keys 1 and '1' are the same"):
+        event({"lines": {1: "x", "1": "y"}})
+    with pytest.raises(EventValidationError, match="same JSON key"):
+        event({"m": {uuid.UUID(int=1): 1, "00000000-0000-0000-0000-000000000001": 2}})
+    assert event({"lines": {1: "x", 2: "y"}}).payload == {"lines": {"1": "x", "2": "y"}}
+
+
+def test_an_envelope_built_directly_refuses_a_nested_non_string_key() -> None:
+    # json.dumps turned it into a string at staging, silently (two keys 1 and "1" into two
+    # equal JSON keys, of which PostgreSQL's jsonb keeps the last).
+    fields = dict(
+        _writer().event(
+            event_type="E", aggregate_type="a", aggregate_id=1, payload={}, idempotency_key="k"
+        )
+    )
+    with pytest.raises(ValidationError, match=r"payload\.a key 1 is not a string"):
+        EventEnvelope(**{**fields, "payload": {"a": {1: "x", "1": "y"}}})
