@@ -40,6 +40,20 @@ def _diff(engine: Engine, names: migrations.Names) -> list[object]:
         return list(compare_metadata(context, migrations.target_metadata(names)))
 
 
+def _tables(url: str, schema: str) -> int:
+    """How many tables ``schema`` of the database at ``url`` holds."""
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.text("SELECT count(*) FROM pg_tables WHERE schemaname = :s"), {"s": schema}
+                ).scalar_one()
+            )
+    finally:
+        engine.dispose()
+
+
 def test_head_matches_the_models(engine: Engine) -> None:
     # The module database was created from the template migrated to head.
     assert _diff(engine, migrations.Names()) == []
@@ -157,15 +171,7 @@ def test_a_reserved_word_as_a_table_name_is_refused_before_any_sql(
     # syntax error at "CREATE TRIGGER order_notify AFTER INSERT ON order".
     with pytest.raises(ConfigurationError, match="'order' is a reserved SQL key word"):
         migrations.upgrade_database(empty_database_url, migrations.Names(outbox_table="order"))
-    engine = sa.create_engine(empty_database_url)
-    try:
-        with engine.connect() as conn:
-            tables = conn.execute(
-                sa.text("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")
-            ).scalar_one()
-    finally:
-        engine.dispose()
-    assert tables == 0
+    assert _tables(empty_database_url, "public") == 0
 
 
 def test_the_longest_notify_channel_is_the_servers(engine: Engine) -> None:
@@ -183,15 +189,7 @@ def test_names_making_a_too_long_notify_channel_are_refused_before_any_sql(
     names = migrations.Names(schema="s" * 30, outbox_table="o" * 30)
     with pytest.raises(ConfigurationError, match="notify channel"):
         migrations.upgrade_database(empty_database_url, names)
-    engine = sa.create_engine(empty_database_url)
-    try:
-        with engine.connect() as conn:
-            tables = conn.execute(
-                sa.text("SELECT count(*) FROM pg_tables WHERE schemaname = :s"), {"s": "s" * 30}
-            ).scalar_one()
-    finally:
-        engine.dispose()
-    assert tables == 0
+    assert _tables(empty_database_url, "s" * 30) == 0
 
 
 # Names the tables, constraints, indexes, triggers and functions of one database hold.
@@ -243,12 +241,4 @@ def test_a_table_name_too_long_for_its_derived_names_is_refused_before_any_sql(
 ) -> None:
     with pytest.raises(ConfigurationError, match=message):
         migrations.upgrade_database(empty_database_url, names)
-    engine = sa.create_engine(empty_database_url)
-    try:
-        with engine.connect() as conn:
-            tables = conn.execute(
-                sa.text("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")
-            ).scalar_one()
-    finally:
-        engine.dispose()
-    assert tables == 0
+    assert _tables(empty_database_url, "public") == 0

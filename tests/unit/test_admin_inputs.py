@@ -58,15 +58,7 @@ async def test_a_row_id_no_bigint_can_hold_is_not_found_without_a_database_call(
 def test_kafka_unreachable_is_one_line_on_stderr(args: tuple[str, ...]) -> None:
     # Before: aiokafka's own ERROR line ("Unable connect to ...") came first, through
     # Python's last-resort handler: two lines.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "LEDGERBOX_"))}
-    out = subprocess.run(
-        [sys.executable, "-m", "ledgerbox", "consumer", *args],
-        env={**env, "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = _ledgerbox("consumer", *args)
     assert out.returncode == 2, out.stderr
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("ledgerbox consumer ") and "KafkaConnectionError" in line
@@ -91,15 +83,21 @@ def test_an_operator_command_refuses_a_bad_name_naming_the_flag(
 ) -> None:
     # Before: one line, but no flag named ('ledgerbox consumer dlq list: inbox table name ...
     # use at most 46 chars'): admin.Database set no setting on its ConfigurationError.
+    out = _ledgerbox(*args, "--database-url", NOWHERE)
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.endswith(f"; set {flag}"), line
+
+
+def _ledgerbox(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m ledgerbox ARGS`` without the caller's Kafka/ledgerbox variables, Kafka at a
+    port nothing listens on."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "LEDGERBOX_"))}
-    out = subprocess.run(
-        [sys.executable, "-m", "ledgerbox", *args, "--database-url", NOWHERE],
+    return subprocess.run(
+        [sys.executable, "-m", "ledgerbox", *args],
         env={**env, "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"},
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
-    assert out.returncode == 2, out.stderr
-    (line,) = out.stderr.strip().splitlines()
-    assert line.endswith(f"; set {flag}"), line
