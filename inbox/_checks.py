@@ -67,11 +67,17 @@ class CheckResult:
         One line: what is wrong and how to fix it; ``None`` when ``ok``.
     permanent : bool
         True when waiting cannot fix it (credentials refused): ``run`` exits.
+    recheck : bool
+        A permanent verdict read from libpq's account of a failed connection (a refused
+        login looks like a server closing the connection right after taking the password,
+        as a restart does): ``run`` looks once more after
+        :data:`ledgerbox._core.faults.PERMANENT_CONFIRM_S` before it exits.
     """
 
     state: Health
     cause: str | None = None
     permanent: bool = False
+    recheck: bool = False
 
     @property
     def line(self) -> str:
@@ -79,8 +85,8 @@ class CheckResult:
         return self.state if self.cause is None else f"{self.state}: {self.cause}"
 
 
-def _down(cause: str, *, permanent: bool = False) -> CheckResult:
-    return CheckResult("down", cause, permanent)
+def _down(cause: str, *, permanent: bool = False, recheck: bool = False) -> CheckResult:
+    return CheckResult("down", cause, permanent, recheck)
 
 
 async def check_consumer(
@@ -137,6 +143,7 @@ async def _check_database(config: ConsumerConfig, timeout_s: float) -> CheckResu
                 f"{url.database!r} (wrong or missing password, or no such database): {detail}: "
                 "fix database_url",
                 permanent=True,
+                recheck=True,
             )
         return _down(f"database at {where} unreachable: {detail}: start it or fix database_url")
     finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import time
 import types
 import uuid
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ledgerbox._core.errors import ConfigurationError
+from ledgerbox._core.faults import PermanentVerdict
 from ledgerbox.inbox._batch import BatchPipeline
 from ledgerbox.inbox._checks import check_consumer
 from ledgerbox.inbox._config import ConsumerConfig
@@ -385,6 +387,7 @@ class InboxConsumer:
 
     async def _until_ready(self) -> None:
         retry = 0
+        confirm = PermanentVerdict()  # a restarting server looks like a refused login once
         try:
             while not self._stop_requested:
                 result = await check_consumer(self.config, check_redis=False)
@@ -392,10 +395,14 @@ class InboxConsumer:
                     self._health.clear("startup")
                     return
                 if result.permanent:
-                    raise StartupError(result.cause)
-                self._health.fault("startup", result.cause or "startup check failed")
-                retry += 1
-                delay_s = min(self.config.backoff.ceiling_s(retry), STARTUP_RETRY_MAX_S)
+                    if not result.recheck or confirm.holds(True, time.monotonic()):
+                        raise StartupError(result.cause)
+                    delay_s = confirm.window_s  # one more look, quietly: the exit says it
+                else:
+                    confirm.holds(False, time.monotonic())
+                    self._health.fault("startup", result.cause or "startup check failed")
+                    retry += 1
+                    delay_s = min(self.config.backoff.ceiling_s(retry), STARTUP_RETRY_MAX_S)
                 await sleep_unless_abandoned(delay_s, lambda: self._stop_requested)
         except Abandon:
             pass

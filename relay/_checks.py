@@ -42,6 +42,9 @@ class Problem:
 
     permanent: bool
     line: str
+    #: A permanent verdict read from libpq's account of a failed connection (a restarting
+    #: server looks like a refused login once): ``relay run`` looks once more before exiting.
+    recheck: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +142,7 @@ def _database_problem(exc: StoreError) -> Problem:
     if login_refused(exc):
         return Problem(
             True, f"the database refused the login ({exc}): fix the user or password of the "
-            "database URL"
+            "database URL", recheck=True,
         )  # fmt: skip
     if state == "3D000":
         return Problem(True, f"{exc}: create the database or fix the database URL")

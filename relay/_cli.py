@@ -25,6 +25,7 @@ import datetime as dt
 import json
 import logging
 import signal
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from ledgerbox._core.database_url import database_label, database_remedy
 from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, DatabaseError, LedgerboxError
 from ledgerbox._core.event_loop import EVENT_LOOP_SETTING, loop_name, runner
+from ledgerbox._core.faults import PermanentVerdict
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
 from ledgerbox._core.operator_settings import OPERATOR_FILTERS, OPERATOR_SWITCHES
 from ledgerbox._core.redaction import install_scrub_filter, scrub
@@ -162,11 +164,16 @@ def run(values: Values, ctx: typer.Context) -> None:
 
 async def _run(config: RelayConfig, hooks: RelayHooks | None) -> None:
     log = logging.getLogger("ledgerbox.relay")
-    result = await _check(config)
-    permanent = [p for p in result.problems if p.permanent]
-    if permanent:
-        typer.echo(scrub(f"ledgerbox relay: {permanent[0].line}"), err=True)
-        raise typer.Exit(2)
+    confirm = PermanentVerdict()  # a restarting server looks like a refused login once
+    while True:
+        result = await _check(config)
+        permanent = [p for p in result.problems if p.permanent]
+        if not permanent:
+            break
+        if not all(p.recheck for p in permanent) or confirm.holds(True, time.monotonic()):
+            typer.echo(scrub(f"ledgerbox relay: {permanent[0].line}"), err=True)
+            raise typer.Exit(2)
+        await asyncio.sleep(confirm.window_s)  # one more look at a refused login
     for problem in result.problems:
         # Not fatal: the relay starts, stays down with the cause and recovers once fixed.
         log.warning("relay starts down: %s", problem.line)

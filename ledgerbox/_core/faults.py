@@ -21,7 +21,9 @@ import enum
 import functools
 
 __all__ = [
+    "PERMANENT_CONFIRM_S",
     "Fault",
+    "PermanentVerdict",
     "describe_driver_error",
     "driver_fault",
     "kafka_fault",
@@ -194,6 +196,45 @@ def login_refused(exc: BaseException) -> bool:
                 getattr(pgconn, "needs_password", False)
             )
     return False
+
+
+#: How long a startup check's "permanent" verdict (a refused login, an unknown database, Kafka
+#: refusing the credentials) must hold before a daemon exits on it, in seconds.
+PERMANENT_CONFIRM_S = 2.0
+
+
+class PermanentVerdict:
+    """Whether a startup check's permanent verdict held long enough to exit on it (pure: the
+    caller passes the clock).
+
+    A refused login is known to the client only by libpq's account of the connection (the
+    server took our password, then the connection failed: :func:`login_refused`), and a
+    server restarting or going into recovery closes a connection right after taking the
+    password too: the soak saw a consumer exit 2 with "refused the login" during a PostgreSQL
+    restart. A real refusal repeats; a restart does not. So that verdict counts only once the
+    checks over :data:`PERMANENT_CONFIRM_S` said so: the daemons look once more after it (a
+    wrong password is reported ~2 s later, after two logins). An unambiguous refusal (Kafka's
+    SaslAuthenticationFailed) is not rechecked: one login, no retry storm.
+
+    Parameters
+    ----------
+    window_s : float | None
+        Seconds the verdict must hold (``None``: :data:`PERMANENT_CONFIRM_S`, read now).
+    """
+
+    def __init__(self, window_s: float | None = None) -> None:
+        self.window_s = PERMANENT_CONFIRM_S if window_s is None else window_s
+        self._since: float | None = None
+
+    def holds(self, permanent: bool, now: float) -> bool:
+        """Record one check's verdict at ``now`` (monotonic seconds); True once permanent
+        verdicts, with no other in between, span ``window_s``."""
+        if not permanent:
+            self._since = None
+            return False
+        if self._since is None:
+            self._since = now
+        return now - self._since >= self.window_s
 
 
 def describe_driver_error(exc: BaseException) -> str:
