@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -10,7 +10,7 @@ from typing import Literal
 from ledgerbox._core.backoff import Backoff
 from ledgerbox._core.database_url import check_database_url
 from ledgerbox._core.errors import ConfigurationError
-from ledgerbox._core.identifiers import inbox_table_name, sql_identifier
+from ledgerbox._core.identifiers import inbox_table_name, named, sql_identifier
 from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
 from ledgerbox._core.redaction import remember_url
 
@@ -205,9 +205,9 @@ class ConsumerConfig:
         object.__setattr__(self, "topics", tuple(self.topics))
         if not self.topics and not self.assignment:
             raise ConfigurationError("topics must name at least one topic")
-        _named(inbox_table_name, self.inbox_table, "inbox table name", "inbox_table")
+        named(inbox_table_name, self.inbox_table, "inbox table name", "inbox_table")
         if self.schema is not None:
-            _named(sql_identifier, self.schema, "schema", "schema")
+            named(sql_identifier, self.schema, "schema", "schema")
         positive = {
             "max_attempts": self.max_attempts,
             "dedup_ttl_s": self.dedup_ttl_s,
@@ -279,12 +279,3 @@ class ConsumerConfig:
     def dead_letter_topic_for(self, source_topic: str) -> str:
         """The dead-letter topic of records from ``source_topic``."""
         return self.dead_letter_topic or f"{source_topic}.dlq"
-
-
-def _named(check: Callable[[str, str], str], value: str, what: str, setting: str) -> None:
-    """``check(value, what)``, its ConfigurationError naming ``setting`` (the flag and the
-    variable in a command's message)."""
-    try:
-        check(value, what)
-    except ConfigurationError as exc:
-        raise ConfigurationError(str(exc), setting=setting) from None

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ledgerbox._core.database_url import check_database_url, libpq_url
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import (
+    named,
     outbox_notify_channel,
     outbox_table_name,
     sql_identifier,
@@ -159,16 +159,16 @@ class RelayConfig:
         remember_url(self.database_url)
         check_database_url(self.database_url)  # one that can never connect: not waited for
         object.__setattr__(self, "_kafka", resolve_kafka(self.kafka, self.kafka_bootstrap_servers))
-        _identifier(self.outbox_table, "outbox_table", "outbox table name", outbox_table_name)
+        named(outbox_table_name, self.outbox_table, "outbox table name", "outbox_table")
         if self.schema is not None:
-            _identifier(self.schema, "schema", "schema", sql_identifier)
+            named(sql_identifier, self.schema, "schema", "schema")
         # The pair's NOTIFY channel (the relay LISTENs on it): else 'relay down: run ledgerbox
         # migrate', and migrate refused the pair.
-        _identifier(
-            self.outbox_table,
-            "outbox_table",
-            "outbox table name",
+        named(
             lambda table, _: outbox_notify_channel(table, self.schema),
+            self.outbox_table,
+            "outbox table name",
+            "outbox_table",
         )
         _check(1 <= self.batch_size <= 100_000, "batch_size", "must be in 1..100000")
         _check(1 <= self.lanes <= 64, "lanes", "must be in 1..64")
@@ -225,10 +225,3 @@ class RelayConfig:
 def _check(ok: bool, setting: str, rule: str) -> None:
     if not ok:
         raise ConfigurationError(f"{setting} {rule}", setting=setting)
-
-
-def _identifier(value: str, setting: str, what: str, check: Callable[[str, str], str]) -> None:
-    try:
-        check(value, what)
-    except ConfigurationError as exc:
-        raise ConfigurationError(str(exc), setting=setting) from None

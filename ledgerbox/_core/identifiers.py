@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from ledgerbox._core.errors import ConfigurationError
 
@@ -117,6 +118,34 @@ def _table_name(value: str, what: str, derived: tuple[str, ...]) -> str:
             f"use at most {limit} chars"
         )
     return value
+
+
+def named(check: Callable[[str, str], str], value: str, what: str, setting: str) -> str:
+    """``check(value, what)``, its ``ConfigurationError`` naming ``setting``, so that a
+    command's one line names the flag and the variable (``; set --outbox-table or ...``)."""
+    try:
+        return check(value, what)
+    except ConfigurationError as exc:
+        raise ConfigurationError(str(exc), setting=setting) from None
+
+
+def check_service_names(outbox_table: str, inbox_table: str, schema: str | None) -> None:
+    """Check the outbox and inbox table names and the schema of one service (the console's
+    services, ``ledgerbox.admin.Database``), each refusal naming its setting.
+
+    Raises
+    ------
+    ConfigurationError
+        ``setting`` is ``"outbox_table"``, ``"inbox_table"`` or ``"schema"``.
+    """
+    checks: list[tuple[Callable[[str, str], str], str | None, str]] = [
+        (outbox_table_name, outbox_table, "outbox_table"),
+        (inbox_table_name, inbox_table, "inbox_table"),
+        (sql_identifier, schema, "schema"),
+    ]
+    for check, value, setting in checks:
+        if value is not None:
+            named(check, value, setting.replace("_", " "), setting)
 
 
 def outbox_notify_channel(table: str, schema: str | None) -> str:

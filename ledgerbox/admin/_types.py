@@ -8,13 +8,12 @@ import dataclasses
 import datetime as dt
 import getpass
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ledgerbox._core.database_url import check_database_url, database_label
 from ledgerbox._core.errors import ConfigurationError
-from ledgerbox._core.identifiers import inbox_table_name, outbox_table_name, sql_identifier
+from ledgerbox._core.identifiers import check_service_names
 from ledgerbox.admin._errors import InvalidFilterError
 
 __all__ = [
@@ -95,17 +94,7 @@ class Database:
 
     def __post_init__(self) -> None:
         _check_url(self.url)
-        checks: list[tuple[Callable[[str, str], str], str, str]] = [
-            (outbox_table_name, self.outbox_table, "outbox_table"),
-            (inbox_table_name, self.inbox_table, "inbox_table"),
-        ]
-        if self.schema is not None:
-            checks.append((sql_identifier, self.schema, "schema"))
-        for check, value, setting in checks:
-            try:
-                check(value, setting.replace("_", " "))
-            except ConfigurationError as exc:  # a command's line names the flag (setting)
-                raise ConfigurationError(str(exc), setting=setting) from None
+        check_service_names(self.outbox_table, self.inbox_table, self.schema)
 
     @property
     def label(self) -> str:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ledgerbox._core.endpoint import DEFAULT_HOST, needs_token
 from ledgerbox._core.errors import ConfigurationError
-from ledgerbox._core.identifiers import inbox_table_name, outbox_table_name, sql_identifier
+from ledgerbox._core.identifiers import check_service_names
 from ledgerbox._core.kafka import KafkaSettings
 from ledgerbox._core.redaction import Secret
 
@@ -97,17 +97,7 @@ class ServiceTarget:
             raise ConfigurationError(
                 f"service {self.name}: no database URL", setting="database_url"
             )
-        checks: list[tuple[Callable[[str, str], str], str, str]] = [
-            (outbox_table_name, self.outbox_table, "outbox_table"),
-            (inbox_table_name, self.inbox_table, "inbox_table"),
-        ]
-        if self.schema is not None:
-            checks.append((sql_identifier, self.schema, "schema"))
-        for check, value, setting in checks:
-            try:
-                check(value, setting.replace("_", " "))
-            except ConfigurationError as exc:  # the message names the flag (setting)
-                raise ConfigurationError(str(exc), setting=setting) from None
+        check_service_names(self.outbox_table, self.inbox_table, self.schema)
         if not 1 <= self.shard_count <= 4096:
             raise ConfigurationError(
                 f"service {self.name}: shard_count must be in 1..4096 (got {self.shard_count})",
