@@ -16,6 +16,7 @@ in order. A fault of the environment stops a partition without blaming its recor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import logging
@@ -29,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.faults import PermanentVerdict
+from ledgerbox._core.stop import StopSignal
 from ledgerbox.inbox._batch import BatchPipeline
 from ledgerbox.inbox._checks import check_consumer
 from ledgerbox.inbox._config import ConsumerConfig
@@ -52,7 +54,7 @@ from ledgerbox.inbox._redis import (
     RedisDedupStore,
     redis_client,
 )
-from ledgerbox.inbox._runner import KafkaRunner
+from ledgerbox.inbox._runner import CLIENT_STOP_MIN_S, KafkaRunner
 from ledgerbox.inbox._store import InboxStore
 from ledgerbox.inbox._table import InboxTable
 from ledgerbox.inbox._tx import AsyncTx, SyncTx, Tx, discard_on_environment_faults
@@ -133,6 +135,8 @@ class InboxConsumer:
         self._handlers: dict[str, Registered] = {}
         self._stop_requested = False
         self._runner: KafkaRunner | None = None
+        # The last run's grace for what waits on Kafka at its stop (None: never ran).
+        self._kafka_grace: StopSignal | None = None
         self._deps = PipelineDeps(
             config=config,
             group_id=config.group_id,
@@ -201,10 +205,16 @@ class InboxConsumer:
 
     async def aclose(self) -> None:
         """Release engines, producer and Redis connections this consumer created (after
-        the "done" hints still waiting were sent, for at most 2 s)."""
+        the "done" hints still waiting were sent, for at most 2 s).
+
+        The dead-letter producer's close flushes what it still holds, which waits on Kafka:
+        after a run, at most what is left of that stop's ``stop_timeout_s`` (and
+        :data:`~ledgerbox.inbox._runner.CLIENT_STOP_MIN_S`, 1 s, at least), else at most
+        ``stop_timeout_s``; past that it is left unclosed with one WARNING (the process is
+        exiting; a record it did not deliver was not acknowledged either)."""
         if self._deps.hints is not None:
             await self._deps.hints.flush()
-        await self.dead_letters.aclose()
+        await self._close_dead_letters()
         if self._redis_client is not None:
             with contextlib.suppress(Exception):
                 await self._redis_client.aclose()
@@ -214,6 +224,18 @@ class InboxConsumer:
         if self._owns_engines[0] and self._engine is not None:
             self._engine.dispose()
             self._engine = None
+
+    async def _close_dead_letters(self) -> None:
+        grace, bound_s = self._kafka_grace, self.config.stop_timeout_s
+        if grace is not None:
+            bound_s = max(min(grace.left_s(), bound_s), CLIENT_STOP_MIN_S)
+        try:
+            await asyncio.wait_for(self.dead_letters.aclose(), bound_s)
+        except TimeoutError:
+            _log.warning(
+                "dead-letter producer not closed within stop_timeout_s (Kafka does not "
+                "answer): left unclosed"
+            )
 
     def health(self) -> Health:
         """``"down"`` while a fault of the environment stops progress (a partition, the
@@ -377,7 +399,7 @@ class InboxConsumer:
             if self._stop_requested:
                 return
             runner = KafkaRunner(self._deps, self.process_batch)
-            self._runner = runner
+            self._runner, self._kafka_grace = runner, runner.kafka_grace
             if self._stop_requested:
                 runner.stop()
             await runner.run()

@@ -22,7 +22,13 @@ from ledgerbox._core.faults import Fault
 from ledgerbox.inbox._deadletter import dead_letter_headers
 from ledgerbox.inbox._deps import PipelineDeps
 from ledgerbox.inbox._policy import Outcome, classify
-from ledgerbox.inbox._record import Abandon, Record, record_identity, sleep_unless_abandoned
+from ledgerbox.inbox._record import (
+    Abandon,
+    Record,
+    await_unless_abandoned,
+    record_identity,
+    sleep_unless_abandoned,
+)
 from ledgerbox.inbox._table import InboxStatus
 from ledgerbox.inbox._tx import Tx
 from ledgerbox.outbox import EventEnvelope
@@ -103,8 +109,9 @@ class DeadLetterer:
         topic, retrying until it is stored, then record the failure in the inbox.
 
         Returns ``DEAD_LETTERED``, or ``ABANDONED`` if ``abandon()`` turned True while a step
-        was retried: the offset must not move before the dead-letter topic has the record
-        and the inbox row says so.
+        was retried, or while the send was in flight and it did not finish within
+        ``stop_timeout_s`` (a broker away): the offset must not move before the dead-letter
+        topic has the record and the inbox row says so.
         """
         deps = self.deps
         topic = deps.config.dead_letter_topic_for(record.topic)
@@ -122,8 +129,18 @@ class DeadLetterer:
         try:
             while True:
                 try:
-                    await deps.dead_letters.publish(topic, record.key, record.value, headers)
+                    # Bounded once the record is abandoned (stop, revoke): a send to a
+                    # broker that is away would wait out its request timeout.
+                    await await_unless_abandoned(
+                        deps.dead_letters.publish(topic, record.key, record.value, headers),
+                        abandon,
+                        deps.config.stop_timeout_s,
+                    )
                     break
+                except Abandon:
+                    if retry:
+                        deps.health.clear(key, resolved=False)
+                    raise
                 except Exception as exc:  # the offset must not move before the DLQ has it
                     retry += 1
                     deps.health.fault(key, stall_cause(record, exc))

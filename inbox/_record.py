@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from ledgerbox.outbox import EnvelopeParseError, EventEnvelope, envelope_from_kafka
 
@@ -19,12 +19,15 @@ __all__ = [
     "Abandon",
     "Parsed",
     "Record",
+    "await_unless_abandoned",
     "never",
     "parse_record",
     "record_identity",
     "record_timestamp_ms",
     "sleep_unless_abandoned",
 ]
+
+_T = TypeVar("_T")
 
 #: A parsed record: its envelope, or why it could not be parsed (it is then dead-lettered).
 Parsed = EventEnvelope | EnvelopeParseError
@@ -113,3 +116,44 @@ async def sleep_unless_abandoned(delay_s: float, abandon: Callable[[], bool]) ->
         if left <= 0:
             return
         await asyncio.sleep(min(left, 0.05))
+
+
+async def await_unless_abandoned(
+    awaitable: Awaitable[_T], abandon: Callable[[], bool], grace_s: float
+) -> _T:
+    """Await ``awaitable`` (a call to Kafka: a dead-letter send), polling ``abandon`` every
+    50 ms; once ``abandon()`` returned True it may take at most ``grace_s`` seconds more.
+
+    With Kafka up a send finishes within the grace and nothing is cut short; with the broker
+    away it would wait out its request timeout (30 s by default) and hold a stop past the
+    bound of ``ConsumerConfig.stop_timeout_s`` (docs/operations.md, "Stopping a daemon").
+
+    Raises
+    ------
+    Abandon
+        ``grace_s`` passed after ``abandon()`` turned True; ``awaitable`` is then cancelled
+        (the record was perhaps stored anyway: it is delivered and dead-lettered again after
+        the restart, as after a crash at that point).
+    """
+    task = asyncio.ensure_future(awaitable)
+    give_up_at: float | None = None
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.05)
+            if done:
+                return task.result()
+            if give_up_at is None:
+                if abandon():
+                    give_up_at = time.monotonic() + grace_s
+            elif time.monotonic() >= give_up_at:
+                raise Abandon()
+    finally:
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_retrieve)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    # A cancelled send may still finish with an exception nobody else awaits.
+    if not future.cancelled():
+        future.exception()

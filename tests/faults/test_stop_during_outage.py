@@ -288,3 +288,118 @@ def _paid(engine: Engine, group: str) -> list[str]:
                 sa.select(fs.payments.c.order_id).where(fs.payments.c.consumer_group == group)
             ).scalars()
         ]
+
+
+# ------------------------------------------------- consumer, dead-letter send in flight
+
+
+def dlq_app_from_env() -> InboxConsumer:
+    """``consumer run --app`` factory: ``fs_payments`` inserts; an order whose id starts
+    with ``P`` is declined for good (dead-lettered), ``PW...`` only once the file
+    ``DLQ_GO`` exists (its handler writes ``DLQ_ENTERED`` when it starts waiting): so the
+    dead-letter producer is started by the first poison record and the second one's send
+    is in flight when the broker is away."""
+    env = os.environ
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=env["FS_GROUP"],
+            topics=[env["FS_TOPIC"]],
+            database_url=env["FS_DATABASE_URL"],
+            kafka_bootstrap_servers=env["KAFKA_BOOTSTRAP_SERVERS"],
+            dead_letter_topic=env["FS_DLQ"],
+            dead_letter_on=(fs.PaymentDeclined,),
+            batch_max_records=1,
+            stop_timeout_s=float(env["STOP_TIMEOUT_S"]),
+        )
+    )
+    go, entered = Path(env["DLQ_GO"]), Path(env["DLQ_ENTERED"])
+
+    @consumer.handler("OrderPlaced")
+    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        order = str(event.payload["order_id"])
+        if order.startswith("PW"):
+            await asyncio.to_thread(entered.touch)
+            await _until(go.exists, "the test's go", 300)
+        if order.startswith("P"):
+            raise fs.PaymentDeclined(f"order {order} declined")
+        await ctx.session.execute(
+            sa.insert(fs.payments).values(
+                consumer_group=ctx.group_id,
+                order_id=order,
+                amount=Decimal(event.payload["amount"]),
+            )
+        )
+
+    return consumer
+
+
+async def test_consumer_stopped_while_a_dead_letter_send_waits_for_kafka_exits_within_the_bound(
+    engine: Engine,
+    database_url: str,
+    kafka_bootstrap: str,
+    new_topic: TopicFactory,
+    services_script: str,
+    tmp_path: Path,
+) -> None:
+    """Before the bound on the send in flight the consumer had not exited 90 s after SIGTERM
+    (the dead-letter send waited out its request timeout, then was retried until abandoned,
+    then the producer's close waited for its flush); with it: 6.6 s (stop_timeout_s 3)."""
+    fs.metadata.create_all(engine)
+    topic = await new_topic.acreate("stop-dlq", partitions=1)
+    dlq = await new_topic.acreate("stop-dlq-dlq", partitions=1)
+    group = f"stop-dlq-{uuid.uuid4().hex[:8]}"
+    stop_timeout_s = 3.0
+    env = {
+        **fs.base_env(database_url, kafka_bootstrap, topic, group),
+        "FS_DLQ": dlq,
+        "STOP_TIMEOUT_S": str(stop_timeout_s),
+        "DLQ_GO": str(tmp_path / "go"),
+        "DLQ_ENTERED": str(tmp_path / "entered"),
+    }
+    await produce(kafka_bootstrap, topic, [order_event(topic, o) for o in ("P1", "A1", "PW2")])
+    app = "tests.faults.test_stop_during_outage:dlq_app_from_env"
+    log = tmp_path / "consumer.log"
+    proc = _start(["consumer", "run", "--app", app], env, log)
+    stopped = False
+    try:
+        # P1 dead-lettered (the producer is started), A1 applied, PW2's handler waiting.
+        await _until(lambda: (tmp_path / "entered").exists(), "PW2's handler entered")
+        assert _paid(engine, group) == ["A1"], log.read_text()
+        _services(services_script, "stop-kafka")
+        stopped = True
+        (tmp_path / "go").touch()  # PW2 is declined now: its dead-letter send waits
+        await asyncio.sleep(2)
+        assert proc.poll() is None, log.read_text()
+        code, took_s = await asyncio.to_thread(_sigterm_and_time, proc)
+    finally:
+        _kill(proc)
+        if stopped:
+            _services(services_script, "start-kafka")
+    text = log.read_text()
+    # The send's grace, then the commit's and the client's stop (docs/operations.md).
+    bound_s = 2 * stop_timeout_s + 1
+    print(f"consumer (dead-letter send in flight): SIGTERM -> exit {code} in {took_s:.1f} s")
+    assert code == 0, text
+    assert "Traceback" not in text, text
+    assert took_s < bound_s + MARGIN_S, (took_s, text)
+
+    # Kafka is back: the restarted consumer dead-letters PW2 (the first send was given up
+    # or may have been stored: at least once), applies nothing twice and commits past it.
+    proc = _start(["consumer", "run", "--app", app], env, tmp_path / "consumer-2.log")
+    try:
+        await _until(
+            lambda: asyncio.run(committed(kafka_bootstrap, group, topic, 0)) == 3,
+            "the offset past PW2 committed",
+            120,
+        )
+        code, _ = await asyncio.to_thread(_sigterm_and_time, proc)
+    finally:
+        _kill(proc)
+    text = (tmp_path / "consumer-2.log").read_text()
+    assert code == 0 and "Traceback" not in text, text
+    assert _paid(engine, group) == ["A1"]
+    orders = [
+        json.loads(r.value or b"")["order_id"]
+        for r in await rs.consume(kafka_bootstrap, dlq, until=lambda r: len(r) >= 2)
+    ]
+    assert orders[0] == "P1" and set(orders[1:]) == {"PW2"}, orders
