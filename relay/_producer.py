@@ -102,14 +102,19 @@ class SharedProducer:
     async def ensure(self) -> bool:
         """Start the producer unless it runs; False (counted as a failure, health down with
         the cause, logged once per outage) if Kafka cannot be reached. Never raises for a
-        broker error."""
+        broker error. Once the relay stops, the start (a probe and aiokafka's bootstrap,
+        which wait for a broker that does not answer) takes no longer than what is left of
+        ``stop_timeout_s``: False then, nothing counted."""
         async with self._lock:
             if self._ready:
                 await self._probe_while_down()
                 return True
             try:
-                await self.publisher.start()
+                await self._stop.bounded(self.publisher.start(), math.inf)
             except Exception as exc:
+                if isinstance(exc, TimeoutError) and self._stop.is_set():
+                    log.debug("producer start given up: stopping, stop_timeout_s passed")
+                    return False
                 self._failures += 1
                 m.RETRIES.labels(stage="producer").inc()
                 self._unreachable()
@@ -128,8 +133,8 @@ class SharedProducer:
             return
         self._next_probe = health.now() + self._backoff.delay_s(max(1, self._failures))
         try:
-            await self.publisher.check()
-        except Exception as exc:
+            await self._stop.bounded(self.publisher.check(), math.inf)
+        except Exception as exc:  # TimeoutError too: stopping, past stop_timeout_s
             health.down("kafka", f"metadata request failed: {failure_reason(exc)}")
             return
         self._reachable()

@@ -130,3 +130,43 @@ async def test_a_publisher_without_timeout_s_is_still_stopped_and_bounded() -> N
             stop.set()
         await producer.stop(abort=True)  # a hang fails by the test timeout
         assert publisher.stops == [True]
+
+
+class _UnansweredPublisher(_LegacyPublisher):
+    """A broker that accepts the connection and never answers: start and check hang."""
+
+    def __init__(self) -> None:
+        super().__init__(hang=False)
+        self.started = asyncio.Event()
+
+    async def start(self) -> None:
+        self.started.set()
+        await asyncio.Event().wait()
+
+    async def check(self) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_a_producer_start_that_never_ends_is_given_up_at_the_stop_grace() -> None:
+    # Before: a lane starting the producer against a broker that did not answer held the
+    # relay's stop for the probe's and aiokafka's bootstrap timeouts (10 s + 30 s),
+    # outside stop_timeout_s. Now it ends when the grace does, and is no failure.
+    from ledgerbox._core.backoff import Backoff
+    from ledgerbox.relay import RelayHooks
+    from ledgerbox.relay._health import RelayHealth
+    from ledgerbox.relay._producer import SharedProducer
+
+    stop = StopSignal(grace_s=0.1)
+    publisher = _UnansweredPublisher()
+    producer = SharedProducer(
+        publisher,  # type: ignore[arg-type]
+        backoff=Backoff(base_s=0.1, max_s=1.0),
+        stop=stop,
+        hooks=RelayHooks(),
+        health=RelayHealth("r1", time.monotonic),
+    )
+    ensure = asyncio.create_task(producer.ensure())
+    await asyncio.wait_for(publisher.started.wait(), 5)
+    stop.set()
+    assert await asyncio.wait_for(ensure, 10) is False  # a hang fails here, not by a bound
+    assert producer.failures == 0
