@@ -134,8 +134,8 @@ class ConsumerConfig:
         (default :data:`STOP_TIMEOUT_S`, 8), counted from the stop: the final offset
         commit and the Kafka client's stop (leaving the group). The in-flight records
         finish first (database, not Kafka; a dead-letter send in flight gets
-        ``stop_timeout_s`` of its own, then the record is abandoned and delivered again
-        after the restart); an offset Kafka did not take by then is not
+        ``stop_timeout_s`` of its own, also on a revoke, then the record is abandoned and
+        delivered again after the restart); an offset Kafka did not take by then is not
         committed and its records are delivered again after the restart, recognised by the
         inbox (never applied twice). With Kafka up a stop finishes long before.
 

@@ -394,6 +394,7 @@ class InboxConsumer:
         StartupError
             When the database or Kafka refused the credentials (waiting cannot fix it).
         """
+        self._kafka_grace = None  # not the grace an earlier run spent
         try:
             await self._until_ready()
             if self._stop_requested:

@@ -5,6 +5,7 @@ dead-letter record. The step that dead-letters a poison record is :mod:`inbox._d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -141,7 +142,14 @@ class KafkaDeadLetterPublisher:
                     enable_idempotence=True,
                     request_timeout_ms=self.request_timeout_ms,
                 )
-                await producer.start()
+                try:
+                    await producer.start()
+                except BaseException:
+                    # Failed, or cancelled (a stop gave up the send): close what it opened
+                    # (else aiokafka logs "Unclosed AIOKafkaProducer" when it is collected).
+                    with contextlib.suppress(Exception):
+                        await producer.stop()
+                    raise
                 self._producer = producer
             return self._producer
 

@@ -11,8 +11,9 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
+from ledgerbox._core.stop import cancel_unawaited
 from ledgerbox.outbox import EnvelopeParseError, EventEnvelope, envelope_from_kafka
 
 __all__ = [
@@ -148,12 +149,4 @@ async def await_unless_abandoned(
             elif time.monotonic() >= give_up_at:
                 raise Abandon()
     finally:
-        if not task.done():
-            task.cancel()
-            task.add_done_callback(_retrieve)
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    # A cancelled send may still finish with an exception nobody else awaits.
-    if not future.cancelled():
-        future.exception()
+        cancel_unawaited(task)

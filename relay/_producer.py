@@ -112,7 +112,7 @@ class SharedProducer:
             try:
                 await self._stop.bounded(self.publisher.start(), math.inf)
             except Exception as exc:
-                if isinstance(exc, TimeoutError) and self._stop.is_set():
+                if isinstance(exc, TimeoutError) and self._stop.left_s() == 0:
                     log.debug("producer start given up: stopping, stop_timeout_s passed")
                     return False
                 self._failures += 1
@@ -134,9 +134,10 @@ class SharedProducer:
         self._next_probe = health.now() + self._backoff.delay_s(max(1, self._failures))
         try:
             await self._stop.bounded(self.publisher.check(), math.inf)
-        except Exception as exc:  # TimeoutError too: stopping, past stop_timeout_s
-            health.down("kafka", f"metadata request failed: {failure_reason(exc)}")
-            return
+        except Exception as exc:
+            if not (isinstance(exc, TimeoutError) and self._stop.left_s() == 0):
+                health.down("kafka", f"metadata request failed: {failure_reason(exc)}")
+            return  # else stopping, stop_timeout_s passed: nothing learned
         self._reachable()
         health.up("kafka")
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-__all__ = ["StopSignal"]
+__all__ = ["StopSignal", "cancel_unawaited"]
 
 _T = TypeVar("_T")
 
@@ -90,10 +90,16 @@ class StopSignal:
                         stopping.cancel()
             return task.result()
         finally:
-            if not task.done():
-                task.cancel()
-                # A gather cancelled this way finishes with an exception nobody awaits.
-                task.add_done_callback(_retrieve)
+            cancel_unawaited(task)
+
+
+def cancel_unawaited(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` unless it is done, without awaiting it. What it still ends with (a
+    gather cancelled this way finishes with an exception nobody awaits) is retrieved, so
+    asyncio logs no "exception was never retrieved"."""
+    if not task.done():
+        task.cancel()
+        task.add_done_callback(_retrieve)
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

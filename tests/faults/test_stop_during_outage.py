@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
 
@@ -91,6 +92,27 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=10)
 
 
+async def _sigterm_in_outage(
+    proc: subprocess.Popen[bytes],
+    script: str,
+    log: Path,
+    during: Callable[[], Awaitable[None]],
+) -> tuple[int, float, str]:
+    """Stop Kafka, run ``during`` (the daemon must still run after it), SIGTERM the daemon
+    and time its exit; Kafka is started again, also when a step fails. Returns
+    ``(exit code, seconds from SIGTERM to exit, the daemon's log)``."""
+    _services(script, "stop-kafka")
+    try:
+        await during()
+        if proc.poll() is not None:
+            raise AssertionError(await asyncio.to_thread(log.read_text))
+        code, took_s = await asyncio.to_thread(_sigterm_and_time, proc)
+    finally:
+        _kill(proc)
+        _services(script, "start-kafka")
+    return code, took_s, await asyncio.to_thread(log.read_text)
+
+
 # --------------------------------------------------------------------------- relay
 
 
@@ -133,22 +155,18 @@ async def test_relay_stopped_while_kafka_is_down_exits_within_the_bound(
     log = tmp_path / "relay.log"
     stage(5)
     proc = _start(["relay", "run"], env, log)
-    stopped = False
-    try:
-        await _until(lambda: len(rs.published_ids(engine, topic)) == 30, "30 events published")
-        _services(services_script, "stop-kafka")
-        stopped = True
+
+    async def outage() -> None:
         # Events committed during the outage: the relay claims them and hands them to the
         # producer, which cannot deliver them (in flight when SIGTERM comes).
         stage(5)
         await asyncio.sleep(5)
-        assert proc.poll() is None, log.read_text()
-        code, took_s = await asyncio.to_thread(_sigterm_and_time, proc)
+
+    try:
+        await _until(lambda: len(rs.published_ids(engine, topic)) == 30, "30 events published")
+        code, took_s, text = await _sigterm_in_outage(proc, services_script, log, outage)
     finally:
         _kill(proc)
-        if stopped:
-            _services(services_script, "start-kafka")
-    text = log.read_text()
     print(f"relay: SIGTERM -> exit {code} in {took_s:.1f} s (bound {RELAY_STOP_TIMEOUT_S} s)")
     assert code == 0, text
     assert "Traceback" not in text, text
@@ -235,22 +253,20 @@ async def test_consumer_stopped_while_kafka_is_down_exits_within_the_bound(
     await _produce(kafka_bootstrap, topic, first)
     log = tmp_path / "consumer.log"
     proc = _start(["consumer", "run", "--app", APP], env, log)
-    stopped = False
-    try:
-        await _until(lambda: len(_paid(engine, group)) >= 4, "the first orders applied")
-        _services(services_script, "stop-kafka")
-        stopped = True
+    applied_in_outage = 0
+
+    async def outage() -> None:
         # Records fetched before the outage are applied meanwhile; their offset commits and
         # the group's heartbeats fail.
+        nonlocal applied_in_outage
         await asyncio.sleep(3)
         applied_in_outage = len(_paid(engine, group))
-        assert proc.poll() is None, log.read_text()
-        code, took_s = await asyncio.to_thread(_sigterm_and_time, proc)
+
+    try:
+        await _until(lambda: len(_paid(engine, group)) >= 4, "the first orders applied")
+        code, took_s, text = await _sigterm_in_outage(proc, services_script, log, outage)
     finally:
         _kill(proc)
-        if stopped:
-            _services(services_script, "start-kafka")
-    text = log.read_text()
     print(
         f"consumer: SIGTERM -> exit {code} in {took_s:.1f} s (bound {CONSUMER_STOP_TIMEOUT_S} s),"
         f" {applied_in_outage} of 80 applied"
@@ -360,22 +376,18 @@ async def test_consumer_stopped_while_a_dead_letter_send_waits_for_kafka_exits_w
     app = "tests.faults.test_stop_during_outage:dlq_app_from_env"
     log = tmp_path / "consumer.log"
     proc = _start(["consumer", "run", "--app", app], env, log)
-    stopped = False
+
+    async def outage() -> None:
+        (tmp_path / "go").touch()  # PW2 is declined now: its dead-letter send waits
+        await asyncio.sleep(2)
+
     try:
         # P1 dead-lettered (the producer is started), A1 applied, PW2's handler waiting.
         await _until(lambda: (tmp_path / "entered").exists(), "PW2's handler entered")
         assert _paid(engine, group) == ["A1"], log.read_text()
-        _services(services_script, "stop-kafka")
-        stopped = True
-        (tmp_path / "go").touch()  # PW2 is declined now: its dead-letter send waits
-        await asyncio.sleep(2)
-        assert proc.poll() is None, log.read_text()
-        code, took_s = await asyncio.to_thread(_sigterm_and_time, proc)
+        code, took_s, text = await _sigterm_in_outage(proc, services_script, log, outage)
     finally:
         _kill(proc)
-        if stopped:
-            _services(services_script, "start-kafka")
-    text = log.read_text()
     # The send's grace, then the commit's and the client's stop (docs/operations.md).
     bound_s = 2 * stop_timeout_s + 1
     print(f"consumer (dead-letter send in flight): SIGTERM -> exit {code} in {took_s:.1f} s")

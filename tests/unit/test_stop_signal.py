@@ -7,10 +7,14 @@ import asyncio
 import gc
 import math
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 
 from ledgerbox._core.stop import StopSignal
+
+if TYPE_CHECKING:
+    from ledgerbox.relay._producer import SharedProducer
 
 
 async def test_bounded_returns_what_completes_in_time() -> None:
@@ -110,21 +114,11 @@ class _LegacyPublisher:
 async def test_a_publisher_without_timeout_s_is_still_stopped_and_bounded() -> None:
     # 7154fcc added timeout_s to Publisher.stop(): a user's own Publisher without it raised
     # TypeError at every stop. It is called as before and bounded from outside.
-    from ledgerbox._core.backoff import Backoff
-    from ledgerbox.relay import RelayHooks
-    from ledgerbox.relay._health import RelayHealth
-    from ledgerbox.relay._producer import SharedProducer
 
     for hang, stopping in ((False, False), (True, True)):
         stop = StopSignal(grace_s=0.1)
         publisher = _LegacyPublisher(hang)
-        producer = SharedProducer(
-            publisher,  # type: ignore[arg-type]
-            backoff=Backoff(base_s=0.1, max_s=1.0),
-            stop=stop,
-            hooks=RelayHooks(),
-            health=RelayHealth("r1", time.monotonic),
-        )
+        producer = _shared(publisher, stop)
         assert await producer.ensure()
         if stopping:
             stop.set()
@@ -151,22 +145,28 @@ async def test_a_producer_start_that_never_ends_is_given_up_at_the_stop_grace() 
     # Before: a lane starting the producer against a broker that did not answer held the
     # relay's stop for the probe's and aiokafka's bootstrap timeouts (10 s + 30 s),
     # outside stop_timeout_s. Now it ends when the grace does, and is no failure.
+
+    stop = StopSignal(grace_s=0.1)
+    publisher = _UnansweredPublisher()
+    producer = _shared(publisher, stop)
+    ensure = asyncio.create_task(producer.ensure())
+    await asyncio.wait_for(publisher.started.wait(), 5)
+    stop.set()
+    assert await asyncio.wait_for(ensure, 10) is False  # a hang fails here, not by a bound
+    assert producer.failures == 0
+
+
+def _shared(publisher: object, stop: StopSignal) -> SharedProducer:
+    """The relay's shared producer over a test publisher (no Kafka)."""
     from ledgerbox._core.backoff import Backoff
     from ledgerbox.relay import RelayHooks
     from ledgerbox.relay._health import RelayHealth
     from ledgerbox.relay._producer import SharedProducer
 
-    stop = StopSignal(grace_s=0.1)
-    publisher = _UnansweredPublisher()
-    producer = SharedProducer(
+    return SharedProducer(
         publisher,  # type: ignore[arg-type]
         backoff=Backoff(base_s=0.1, max_s=1.0),
         stop=stop,
         hooks=RelayHooks(),
         health=RelayHealth("r1", time.monotonic),
     )
-    ensure = asyncio.create_task(producer.ensure())
-    await asyncio.wait_for(publisher.started.wait(), 5)
-    stop.set()
-    assert await asyncio.wait_for(ensure, 10) is False  # a hang fails here, not by a bound
-    assert producer.failures == 0
