@@ -137,9 +137,14 @@ def redis_client(url: str, *, timeout_s: float = 0.5, ca_file: str | None = None
 
 
 async def _guard(call: Callable[[], Awaitable[T]]) -> T:
+    # RuntimeError: under uvloop (the daemons' loop) a write on a connection the server or
+    # the network closed raises "unable to perform operation on <TCPTransport closed=True>"
+    # instead of an OSError; redis-py drops that connection and re-raises it as is. It is
+    # Redis being away like any other (before: it escaped the pipeline and the consumer
+    # exited 1 mid-soak, 80 s after a Redis restart, on its first Redis read since).
     try:
         return await call()
-    except (TimeoutError, RedisError, OSError) as exc:
+    except (TimeoutError, RedisError, OSError, RuntimeError) as exc:
         raise RedisUnavailableError(f"redis: {type(exc).__name__}: {exc}") from exc
 
 

@@ -96,3 +96,29 @@ async def test_gate_logs_once_per_outage_skips_redis_and_recovers(
     store.available = False
     await gate.call(lambda: store.ping(), None)
     assert gate.outages == 2
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        # uvloop (the daemons' loop), a write on a connection that was closed under the
+        # client: CI's soak-short on a513e6a, payment-consumer-2 exited 1 with this one.
+        RuntimeError(
+            "unable to perform operation on <TCPTransport closed=True reading=False "
+            "0x56326dfe6200>; the handler is closed"
+        ),
+        ConnectionResetError(104, "Connection reset by peer"),
+        TimeoutError(),
+    ],
+    ids=["uvloop-closed-transport", "reset", "timeout"],
+)
+async def test_every_failure_of_the_redis_client_is_redis_unavailable(
+    failure: BaseException,
+) -> None:
+    from ledgerbox.inbox._redis import _guard
+
+    async def call() -> None:
+        raise failure
+
+    with pytest.raises(RedisUnavailableError, match=r"^redis: "):
+        await _guard(call)
