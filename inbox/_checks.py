@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
+from ledgerbox._core.database_url import connect_args
 from ledgerbox._core.errors import BrokerError, DatabaseError
 from ledgerbox._core.faults import login_refused
 from ledgerbox._core.kafka import KafkaSettings
@@ -124,7 +125,11 @@ async def check_consumer(
 
 
 async def _check_database(config: ConsumerConfig, timeout_s: float) -> CheckResult | None:
-    engine = create_async_engine(config.database_url, poolclass=sa.pool.NullPool)
+    engine = create_async_engine(
+        config.database_url,
+        poolclass=sa.pool.NullPool,
+        connect_args=connect_args(config.database_url),
+    )
     url = engine.url
     where = f"{url.host or 'localhost'}:{url.port or 5432}"
     try:

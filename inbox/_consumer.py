@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from ledgerbox._core.database_url import connect_args
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.faults import PermanentVerdict
 from ledgerbox._core.stop import StopSignal
@@ -187,7 +188,9 @@ class InboxConsumer:
     def async_engine(self) -> AsyncEngine:
         """The async engine (built on first use)."""
         if self._async_engine is None:
-            self._async_engine = create_async_engine(self.config.database_url)
+            self._async_engine = create_async_engine(
+                self.config.database_url, connect_args=connect_args(self.config.database_url)
+            )
             discard_on_environment_faults(self._async_engine.sync_engine)
         return self._async_engine
 
@@ -195,7 +198,9 @@ class InboxConsumer:
     def engine(self) -> Engine:
         """The sync engine for sync handlers (built on first use)."""
         if self._engine is None:
-            self._engine = create_engine(self.config.database_url)
+            self._engine = create_engine(
+                self.config.database_url, connect_args=connect_args(self.config.database_url)
+            )
             discard_on_environment_faults(self._engine)
         return self._engine
 

@@ -90,7 +90,9 @@ async def group_lag(
         high = await consumer.end_offsets(tps)
         low = await consumer.beginning_offsets(tps)
     except (KafkaError, OSError) as exc:
-        raise BrokerError.translate(exc, f"reading the lag of group {group!r}") from exc
+        raise BrokerError.translate(
+            exc, f"reading the lag of group {group!r}", servers=kafka.bootstrap_servers
+        ) from exc
     finally:
         await consumer.stop()
         await admin.close()
@@ -114,7 +116,9 @@ async def group_names(kafka: KafkaSettings) -> list[str]:
         await admin.start()
         listed = await admin.list_consumer_groups()
     except (KafkaError, OSError) as exc:
-        raise BrokerError.translate(exc, "listing the consumer groups") from exc
+        raise BrokerError.translate(
+            exc, "listing the consumer groups", servers=kafka.bootstrap_servers
+        ) from exc
     finally:
         await admin.close()
     return sorted({str(g[0]) for g in listed})

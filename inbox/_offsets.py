@@ -66,7 +66,11 @@ async def redelivery_bounds(config: ConsumerConfig) -> dict[tuple[str, int], int
             committed = {tp: min(c, int(starts[tp])) for tp, c in committed.items()}
         return {(tp.topic, tp.partition): offset for tp, offset in committed.items()}
     except (KafkaError, OSError, TimeoutError) as exc:
-        raise BrokerError.translate(exc, "reading the group's committed offsets") from exc
+        raise BrokerError.translate(
+            exc,
+            "reading the group's committed offsets",
+            servers=config.kafka_settings.bootstrap_servers,
+        ) from exc
     finally:
         with contextlib.suppress(Exception):
             await probe.stop()

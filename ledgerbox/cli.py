@@ -78,13 +78,15 @@ def migrate(values: Values, ctx: typer.Context) -> None:
     from sqlalchemy.exc import SQLAlchemyError
 
     from ledgerbox import migrations
-    from ledgerbox._core.errors import ConfigurationError, LedgerboxError
+    from ledgerbox._core.database_url import database_label, database_remedy
+    from ledgerbox._core.errors import ConfigurationError, DatabaseError, LedgerboxError
     from ledgerbox._core.identifiers import (
         inbox_table_name,
         outbox_notify_channel,
         outbox_table_name,
         sql_identifier,
     )
+    from ledgerbox._core.redaction import scrub
 
     checks = {"outbox_table": outbox_table_name, "inbox_table": inbox_table_name}
     for name in NAME_SETTINGS:
@@ -101,8 +103,15 @@ def migrate(values: Values, ctx: typer.Context) -> None:
     try:
         migrations.upgrade_database(values["database_url"], names, values["revision"])
     except (LedgerboxError, SQLAlchemyError) as exc:
-        typer.echo(f"migrate failed: {type(exc).__name__}: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        # A database that is down, a refused login, a missing privilege: one line with the
+        # fix (database_remedy), as the operator commands say it; else the error as it is.
+        error = exc if isinstance(exc, LedgerboxError) else DatabaseError.translate(exc, "connect")
+        if isinstance(error, DatabaseError):
+            line = database_remedy(error, database_label(values["database_url"]))
+        else:
+            line = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        typer.echo(scrub(f"migrate failed: {line}"), err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"ledgerbox tables at {values['revision']} ({names.schema or 'search path'})")
 
 

@@ -26,6 +26,7 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 
+from ledgerbox._core.database_url import connect_args
 from ledgerbox._core.errors import LedgerboxError
 from ledgerbox._core.names import SCHEMA_VERSION_TABLE
 from ledgerbox.migrations._names import Names, include_tables, target_metadata
@@ -77,12 +78,10 @@ def upgrade_database(url: str, names: Names | None = None, revision: str = "head
 
 
 def _refuse_foreign_tables(url: str, names: Names) -> None:
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    try:
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool, connect_args=connect_args(url))
+    try:  # an unreachable database raises here, once (not again in Alembic's connect)
         with engine.connect() as conn:
             found = set(sa.inspect(conn).get_table_names(schema=names.schema))
-    except sa.exc.OperationalError:
-        return  # unreachable database: let Alembic report it the usual way
     finally:
         engine.dispose()
     ours = [t.name for t in target_metadata(names).sorted_tables if t.name in found]

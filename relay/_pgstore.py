@@ -34,6 +34,7 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg import pq, sql
 
+from ledgerbox._core.database_url import connect_args
 from ledgerbox._core.names import SCHEMA_VERSION_TABLE
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import StoreError
@@ -745,7 +746,7 @@ class PgRelayStore:
                 conn = await psycopg.AsyncConnection.connect(
                     self.config.libpq_url,
                     autocommit=True,
-                    connect_timeout=5,
+                    **connect_args(self.config.libpq_url),
                     application_name=f"ledgerbox-relay-{self.role}",
                     options=self._options(),
                     keepalives=1,

@@ -14,15 +14,32 @@ the only import, made when a URL is checked.
 
 from __future__ import annotations
 
-from typing import Literal
-from urllib.parse import urlsplit
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+from urllib.parse import parse_qsl, urlsplit
 
 from ledgerbox._core.errors import ConfigurationError, DatabaseError, LedgerboxError
 from ledgerbox._core.faults import login_refused
 
-__all__ = ["check_database_url", "database_label", "database_remedy", "libpq_url"]
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "check_database_url",
+    "connect_args",
+    "database_label",
+    "database_remedy",
+    "libpq_url",
+]
 
 _SCHEMES = ("postgresql", "postgres")
+
+#: libpq's ``connect_timeout`` of every connection ledgerbox opens itself (the relay's, the
+#: consumers' engines, the operator commands', the console's, migrate's), in seconds, unless
+#: the URL's query (``?connect_timeout=N``) or ``PGCONNECT_TIMEOUT`` sets one. Without it a
+#: server that does not answer (a host that is down, a firewall that drops packets) held a
+#: connection attempt for the kernel's TCP retries, about two minutes: an operator command
+#: printed nothing for that long, a consumer's transaction waited as long per attempt.
+CONNECT_TIMEOUT_S = 5
 _FORM = "postgresql+psycopg://user:password@host:5432/database"
 
 
@@ -118,6 +135,24 @@ def _sqlalchemy_ports(url: str, setting: str) -> list[str]:
     except PsycopgError:
         raise _unparsable(setting) from None
     return [] if port is None else [str(port)]
+
+
+def connect_args(url: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The driver arguments ledgerbox adds to a connection of ``url``:
+    ``{"connect_timeout": CONNECT_TIMEOUT_S}``, or nothing when the URL's query or
+    ``PGCONNECT_TIMEOUT`` (in ``environ``, default ``os.environ``) sets the timeout (libpq then
+    reads it). For SQLAlchemy's ``create_engine(url, connect_args=...)`` and psycopg's
+    ``connect(url, **...)``; no I/O."""
+    env = os.environ if environ is None else environ
+    if env.get("PGCONNECT_TIMEOUT"):
+        return {}
+    try:
+        query = urlsplit(libpq_url(url)).query
+    except ValueError:
+        query = ""
+    if any(key == "connect_timeout" for key, _value in parse_qsl(query)):
+        return {}
+    return {"connect_timeout": CONNECT_TIMEOUT_S}
 
 
 def database_label(url: str) -> str:

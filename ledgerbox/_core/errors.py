@@ -41,7 +41,13 @@ from typing import Self
 
 from ledgerbox._core.faults import Fault, describe_driver_error, driver_fault, kafka_fault
 
-__all__ = ["BrokerError", "ConfigurationError", "DatabaseError", "LedgerboxError"]
+__all__ = [
+    "BrokerError",
+    "ConfigurationError",
+    "DatabaseError",
+    "LedgerboxError",
+    "kafka_unreachable",
+]
 
 
 class LedgerboxError(Exception):
@@ -125,24 +131,56 @@ class BrokerError(LedgerboxError):
     kind : str
         The Kafka client's error class name, e.g. ``"NotEnoughReplicasError"`` (for logs and
         for the few rules that depend on the exact refusal, such as a refused timestamp).
+    no_broker : bool
+        The client reached no broker at all (down, a wrong address, or a listener that
+        closes on it: TLS or SASL settings that do not match), as opposed to a broker that
+        answered with a refusal.
     """
 
     __module__ = "ledgerbox"
 
-    def __init__(self, message: str, *, fault: Fault, kind: str) -> None:
+    def __init__(self, message: str, *, fault: Fault, kind: str, no_broker: bool = False) -> None:
         super().__init__(message)
         self.fault = fault
         self.kind = kind
+        self.no_broker = no_broker
 
     @classmethod
-    def translate(cls, exc: BaseException, what: str) -> Self:
-        """The library error for the Kafka client error ``exc`` raised by ``what``."""
+    def translate(cls, exc: BaseException, what: str, *, servers: str | None = None) -> Self:
+        """The library error for the Kafka client error ``exc`` raised by ``what``.
+
+        ``servers`` (the bootstrap servers the client was given): a client that reached no
+        broker (aiokafka's ``KafkaConnectionError``, a refused or reset connection) is then
+        said as :func:`kafka_unreachable` says it, with the fix."""
         if isinstance(exc, cls):
             return exc
+        name = type(exc).__name__
         text = str(exc).strip().splitlines()
-        detail = f": {text[0]}" if text else ""
-        return cls(
-            f"{what} failed: {type(exc).__name__}{detail}",
-            fault=kafka_fault(exc),
-            kind=type(exc).__name__,
-        )
+        first = text[0] if text else ""
+        if first.startswith(f"{name}: "):  # aiokafka's errors repeat their class name
+            first = first[len(name) + 2 :]
+        fault, no_broker = kafka_fault(exc), _no_broker(exc, first)
+        if servers is not None and no_broker:
+            detail = "no bootstrap server answered" if "bootstrap" in first else first or name
+            message = f"{what} failed: {kafka_unreachable(servers, detail)}"
+        else:
+            message = f"{what} failed: {name}{': ' + first if first else ''}"
+        return cls(message, fault=fault, kind=name, no_broker=no_broker)
+
+
+def kafka_unreachable(servers: str, detail: str = "no bootstrap server accepts connections") -> str:
+    """The ONE line every command and daemon prints when no broker of ``servers`` answers:
+    ``"Kafka is unreachable at <servers> (<detail>): start it, or fix
+    --kafka-bootstrap-servers / KAFKA_BOOTSTRAP_SERVERS"`` (docs/security.md, "What you see
+    when a setting is wrong")."""
+    return (
+        f"Kafka is unreachable at {servers} ({detail}): start it, or fix "
+        "--kafka-bootstrap-servers / KAFKA_BOOTSTRAP_SERVERS"
+    )
+
+
+def _no_broker(exc: BaseException, text: str) -> bool:
+    # No broker reached at all, as opposed to a broker that answered with a refusal.
+    if isinstance(exc, ConnectionError):
+        return True
+    return type(exc).__name__ == "KafkaConnectionError" or "Unable to bootstrap" in text

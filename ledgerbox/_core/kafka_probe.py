@@ -19,6 +19,7 @@ import ssl
 from dataclasses import dataclass
 from typing import Any
 
+from ledgerbox._core.errors import kafka_unreachable
 from ledgerbox._core.kafka import KafkaSettings
 
 __all__ = ["LOGIN_REFUSED", "KafkaProblem", "probe_kafka", "unreachable"]
@@ -35,15 +36,8 @@ LOGIN_REFUSED = frozenset(
 )
 
 
-def unreachable(servers: str, detail: str = "no bootstrap server accepts connections") -> str:
-    """The ONE line every command and daemon prints when no broker of ``servers`` answers:
-    ``"Kafka is unreachable at <servers> (<detail>): start it, or fix
-    --kafka-bootstrap-servers / KAFKA_BOOTSTRAP_SERVERS"`` (docs/security.md, "What you see
-    when a setting is wrong")."""
-    return (
-        f"Kafka is unreachable at {servers} ({detail}): start it, or fix "
-        "--kafka-bootstrap-servers / KAFKA_BOOTSTRAP_SERVERS"
-    )
+#: The one line for "no broker answers" (:func:`ledgerbox._core.errors.kafka_unreachable`).
+unreachable = kafka_unreachable
 
 
 # Seconds before a "closed after the TLS handshake" is looked at a second time: a broker

@@ -21,6 +21,7 @@ from typing import Any, LiteralString
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from ledgerbox._core.database_url import connect_args
 from ledgerbox._core.errors import DatabaseError
 from ledgerbox._core.faults import Fault
 from ledgerbox.admin._table import AUDIT_TABLE, DLQ_ACTION_TABLE
@@ -117,7 +118,7 @@ class AdminStore:
         self._mark_dlq = sa.text(MARK_DLQ.format(**names))
         self._request_replay = sa.text(REQUEST_REPLAY.format(**names))
         self._engine: AsyncEngine = create_async_engine(
-            async_url(db.url), poolclass=sa.pool.NullPool
+            async_url(db.url), poolclass=sa.pool.NullPool, connect_args=connect_args(db.url)
         )
 
     @contextlib.asynccontextmanager

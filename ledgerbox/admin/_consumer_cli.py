@@ -80,8 +80,13 @@ def _fail(command: str, exc: BaseException) -> typer.Exit:
     return fail(f"ledgerbox consumer {command}", exc)
 
 
-def _run(command: str, make: Callable[[], Coroutine[Any, Any, T]], db: Database | None = None) -> T:
-    return run(f"ledgerbox consumer {command}", make, db)
+def _run(
+    command: str,
+    make: Callable[[], Coroutine[Any, Any, T]],
+    db: Database | None = None,
+    kafka: KafkaSettings | None = None,
+) -> T:
+    return run(f"ledgerbox consumer {command}", make, db, kafka)
 
 
 def _database(command: str, values: Values) -> Database:
@@ -121,7 +126,7 @@ def list_command(values: Values, ctx: typer.Context) -> None:
 
     selection = _filter("dlq list", values, include_done=values["all"])
     kafka, db = _kafka("dlq list", values), _database("dlq list", values)
-    found = _run("dlq list", lambda: admin.list_dlq_records(kafka, db, selection), db)
+    found = _run("dlq list", lambda: admin.list_dlq_records(kafka, db, selection), db, kafka)
     if values["json"]:
         print_json([r.to_json() for r in found])
         return
@@ -161,7 +166,9 @@ def show_command(values: Values, ctx: typer.Context) -> None:
     if len(values["refs"]) != 1:
         raise _fail("dlq show", InvalidFilterError("give exactly one record reference"))
     kafka, db = _kafka("dlq show", values), _database("dlq show", values)
-    record = _run("dlq show", lambda: admin.show_dlq_record(kafka, db, values["refs"][0]), db)
+    record = _run(
+        "dlq show", lambda: admin.show_dlq_record(kafka, db, values["refs"][0]), db, kafka
+    )
     if values["json"]:
         print_json(record.to_json())
         return
@@ -211,6 +218,7 @@ def _act(command: str, values: Values) -> None:
             kafka, db, refs, filter=selection, actor=values["actor"], dry_run=values["dry_run"]
         ),
         db,
+        kafka,
     )
     if values["json"]:
         print_json(result.to_json())
@@ -287,7 +295,7 @@ def lag_command(values: Values, ctx: typer.Context) -> None:
             raise await no_offsets_error(kafka, values["group"])
         return found
 
-    found = _run("lag", read)
+    found = _run("lag", read, kafka=kafka)
     if values["json"]:
         print_json([p.to_json() for p in found])
         return

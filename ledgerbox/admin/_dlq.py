@@ -210,7 +210,9 @@ async def _read(
                 if last >= end[tp] or (wanted is not None and last > max(wanted_by[tp.partition])):
                     todo.pop(tp, None)
     except (KafkaError, OSError) as exc:
-        raise BrokerError.translate(exc, f"reading dead-letter topic {topic!r}") from exc
+        raise BrokerError.translate(
+            exc, f"reading dead-letter topic {topic!r}", servers=kafka.bootstrap_servers
+        ) from exc
     finally:
         await consumer.stop()
     if wanted is not None:
@@ -496,6 +498,7 @@ async def _republish(
             exc,
             "republishing the replayed records (the inbox rows are REPLAY_REQUESTED and the "
             "replay is audited: run the same replay again once Kafka is back)",
+            servers=kafka.bootstrap_servers,
         ) from exc
     finally:
         await producer.stop()

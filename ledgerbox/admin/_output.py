@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import typer
 
 from ledgerbox._core.database_url import database_remedy
-from ledgerbox._core.errors import ConfigurationError, DatabaseError, LedgerboxError
+from ledgerbox._core.errors import BrokerError, ConfigurationError, DatabaseError, LedgerboxError
 from ledgerbox._core.redaction import scrub
 from ledgerbox._core.settings import CommandSettings, Values
 
 if TYPE_CHECKING:
+    from ledgerbox._core.kafka import KafkaSettings
     from ledgerbox.admin._types import Database
 
 __all__ = [
@@ -33,6 +34,9 @@ __all__ = [
 
 T = TypeVar("T")
 
+#: Seconds the probe may take after a Kafka client of an operator command reached no broker.
+PROBE_S = 5.0
+
 
 def fail(command: str, exc: BaseException | str) -> typer.Exit:
     """Print ``<command>: <exc>`` (passwords scrubbed) as ONE line on stderr; the exit (2) to
@@ -41,17 +45,32 @@ def fail(command: str, exc: BaseException | str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def run(command: str, make: Callable[[], Coroutine[Any, Any, T]], db: Database | None = None) -> T:
+def run(
+    command: str,
+    make: Callable[[], Coroutine[Any, Any, T]],
+    db: Database | None = None,
+    kafka: KafkaSettings | None = None,
+) -> T:
     """Run the coroutine; an expected failure (a LedgerboxError) is one line and exit 2
     (the Kafka client's own log lines kept off stderr: :func:`quiet_kafka_client`). A
     failed call to ``db`` says what to do about it
     (:func:`ledgerbox._core.database_url.database_remedy`: start the server at host:port,
-    run ``ledgerbox migrate``, ...)."""
+    run ``ledgerbox migrate``, ...). A Kafka client of ``kafka`` that reached no broker is
+    looked at once more by the startup probe (at most :data:`PROBE_S`): a listener that
+    refused our TLS or SASL settings is said as such, with its fix, not as "unreachable"."""
     quiet_kafka_client()
     try:
         return asyncio.run(make())
     except DatabaseError as exc:
         raise fail(command, database_remedy(exc, db.label) if db else exc) from None
+    except BrokerError as exc:
+        if kafka is not None and exc.no_broker:
+            from ledgerbox._core.kafka_probe import probe_kafka
+
+            problem = asyncio.run(probe_kafka(kafka, timeout_s=PROBE_S))
+            if problem is not None and problem.permanent:
+                raise fail(command, problem.cause) from None
+        raise fail(command, exc) from None
     except LedgerboxError as exc:
         raise fail(command, exc) from None
 

@@ -105,3 +105,17 @@ def test_an_error_already_explained_by_its_seam_is_kept() -> None:
             ) from inner
     except DatabaseError as outer:
         assert database_remedy(outer, "db:5432/app") == str(outer)
+
+
+def test_connect_args_bound_every_connection_unless_the_url_or_libpq_environment_does() -> None:
+    from ledgerbox._core.database_url import CONNECT_TIMEOUT_S, connect_args
+
+    url = "postgresql+psycopg://app:pw@db:5432/app"
+    assert connect_args(url, environ={}) == {"connect_timeout": CONNECT_TIMEOUT_S}
+    assert connect_args(url + "?sslmode=require", environ={}) == {
+        "connect_timeout": CONNECT_TIMEOUT_S
+    }
+    # The user's own timeout wins: libpq reads it from the URL or PGCONNECT_TIMEOUT.
+    assert connect_args(url + "?connect_timeout=30", environ={}) == {}
+    assert connect_args(url + "?sslmode=require&connect_timeout=2", environ={}) == {}
+    assert connect_args(url, environ={"PGCONNECT_TIMEOUT": "12"}) == {}

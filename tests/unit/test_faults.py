@@ -114,3 +114,29 @@ def test_kafka_table(exc: BaseException, fault: Fault) -> None:
     assert kafka_fault(exc) is fault
     translated = BrokerError.translate(exc, "send")
     assert translated.fault is fault and translated.kind == type(exc).__name__
+
+
+def test_a_kafka_client_that_reached_no_broker_is_said_with_the_fix() -> None:
+    from aiokafka.errors import KafkaConnectionError, UnknownTopicOrPartitionError
+
+    from ledgerbox._core.errors import BrokerError
+
+    bootstrap = KafkaConnectionError(
+        "Unable to bootstrap from [('127.0.0.1', 1, <AddressFamily.AF_INET: 2>)]"
+    )
+    # aiokafka's text repeats its class name: said once.
+    assert str(BrokerError.translate(bootstrap, "reading the lag")) == (
+        "reading the lag failed: KafkaConnectionError: Unable to bootstrap from "
+        "[('127.0.0.1', 1, <AddressFamily.AF_INET: 2>)]"
+    )
+    assert str(BrokerError.translate(bootstrap, "reading the lag", servers="k1:9092")) == (
+        "reading the lag failed: Kafka is unreachable at k1:9092 (no bootstrap server "
+        "answered): start it, or fix --kafka-bootstrap-servers / KAFKA_BOOTSTRAP_SERVERS"
+    )
+    refused = ConnectionRefusedError(111, "Connection refused")
+    assert "Kafka is unreachable at k1:9092" in str(
+        BrokerError.translate(refused, "reading", servers="k1:9092")
+    )
+    # A broker that answered with a refusal is not "unreachable".
+    unknown = UnknownTopicOrPartitionError()
+    assert "unreachable" not in str(BrokerError.translate(unknown, "reading", servers="k1:9092"))
