@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -201,21 +202,26 @@ async def test_relay_stopped_while_kafka_is_down_exits_within_the_bound(
 # --------------------------------------------------------------------------- consumer
 
 
+def _config_from_env(**settings: Any) -> ConsumerConfig:
+    """The test apps' consumer: ``FS_*`` and ``KAFKA_BOOTSTRAP_SERVERS`` from the environment,
+    one record per transaction, and ``settings``."""
+    env = os.environ
+    return ConsumerConfig(
+        group_id=env["FS_GROUP"],
+        topics=[env["FS_TOPIC"]],
+        database_url=env["FS_DATABASE_URL"],
+        kafka_bootstrap_servers=env["KAFKA_BOOTSTRAP_SERVERS"],
+        batch_max_records=1,
+        **settings,
+    )
+
+
 def app_from_env() -> InboxConsumer:
     """``consumer run --app`` factory: ``fs_payments`` inserts, one record per transaction,
     each handler call ``STOP_DELAY_S`` long, so that records fetched before the outage are
     still being applied (and their offsets not committed) when Kafka goes away."""
-    env = os.environ
-    consumer = InboxConsumer(
-        ConsumerConfig(
-            group_id=env["FS_GROUP"],
-            topics=[env["FS_TOPIC"]],
-            database_url=env["FS_DATABASE_URL"],
-            kafka_bootstrap_servers=env["KAFKA_BOOTSTRAP_SERVERS"],
-            batch_max_records=1,
-        )
-    )
-    delay_s = float(env.get("STOP_DELAY_S", "0"))
+    consumer = InboxConsumer(_config_from_env())
+    delay_s = float(os.environ.get("STOP_DELAY_S", "0"))
 
     @consumer.handler("OrderPlaced")
     async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
@@ -317,14 +323,9 @@ def dlq_app_from_env() -> InboxConsumer:
     is in flight when the broker is away."""
     env = os.environ
     consumer = InboxConsumer(
-        ConsumerConfig(
-            group_id=env["FS_GROUP"],
-            topics=[env["FS_TOPIC"]],
-            database_url=env["FS_DATABASE_URL"],
-            kafka_bootstrap_servers=env["KAFKA_BOOTSTRAP_SERVERS"],
+        _config_from_env(
             dead_letter_topic=env["FS_DLQ"],
             dead_letter_on=(fs.PaymentDeclined,),
-            batch_max_records=1,
             stop_timeout_s=float(env["STOP_TIMEOUT_S"]),
         )
     )
