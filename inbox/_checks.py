@@ -30,10 +30,10 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
 from ledgerbox._core.database_url import connect_args
-from ledgerbox._core.errors import BrokerError, DatabaseError
+from ledgerbox._core.errors import BrokerError, DatabaseError, kafka_unreachable
 from ledgerbox._core.faults import login_refused
 from ledgerbox._core.kafka import KafkaSettings
-from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka, unreachable
+from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka
 from ledgerbox._core.names import SCHEMA_REVISION, SCHEMA_VERSION_TABLE
 from ledgerbox.inbox._config import ConsumerConfig
 from ledgerbox.inbox._health import Health
@@ -211,7 +211,7 @@ def kafka_start_fault(exc: BaseException, servers: str) -> CheckResult:
             f"kafka at {servers} refused the credentials: {detail}: fix the SASL settings",
             permanent=True,
         )
-    return _down(unreachable(servers, detail))
+    return _down(kafka_unreachable(servers, detail))
 
 
 async def kafka_start_verdict(exc: BaseException, kafka: KafkaSettings) -> CheckResult:

@@ -105,7 +105,9 @@ def migrate(values: Values, ctx: typer.Context) -> None:
     except (LedgerboxError, SQLAlchemyError) as exc:
         # A database that is down, a refused login, a missing privilege: one line with the
         # fix (database_remedy), as the operator commands say it; else the error as it is.
-        error = exc if isinstance(exc, LedgerboxError) else DatabaseError.translate(exc, "connect")
+        error = (
+            exc if isinstance(exc, LedgerboxError) else DatabaseError.translate(exc, "the upgrade")
+        )
         if isinstance(error, DatabaseError):
             line = database_remedy(error, database_label(values["database_url"]))
         else:

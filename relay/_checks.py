@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from ledgerbox._core.errors import kafka_unreachable
 from ledgerbox._core.faults import Fault, login_refused
-from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka, unreachable
+from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka
 from ledgerbox._core.names import SCHEMA_REVISION, SCHEMA_REVISIONS
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import PublishError, StoreError
@@ -104,7 +105,7 @@ async def check_relay(
             problems.append(
                 Problem(
                     False,
-                    unreachable(servers),
+                    kafka_unreachable(servers),
                 )
             )
         else:
@@ -242,5 +243,5 @@ def _kafka_problem(config: RelayConfig, exc: PublishError) -> Problem:
         return Problem(False, f"Kafka refused access ({exc}): grant the relay's principal")
     return Problem(
         False,
-        unreachable(config.kafka_settings.bootstrap_servers, str(exc)),
+        kafka_unreachable(config.kafka_settings.bootstrap_servers, str(exc)),
     )

@@ -112,7 +112,7 @@ class SharedProducer:
             try:
                 await self._stop.bounded(self.publisher.start(), math.inf)
             except Exception as exc:
-                if isinstance(exc, TimeoutError) and self._stop.left_s() == 0:
+                if self._cut_short_by_stop(exc):
                     log.debug("producer start given up: stopping, stop_timeout_s passed")
                     return False
                 self._failures += 1
@@ -135,11 +135,15 @@ class SharedProducer:
         try:
             await self._stop.bounded(self.publisher.check(), math.inf)
         except Exception as exc:
-            if not (isinstance(exc, TimeoutError) and self._stop.left_s() == 0):
+            if not self._cut_short_by_stop(exc):
                 health.down("kafka", f"metadata request failed: {failure_reason(exc)}")
             return  # else stopping, stop_timeout_s passed: nothing learned
         self._reachable()
         health.up("kafka")
+
+    def _cut_short_by_stop(self, exc: BaseException) -> bool:
+        # StopSignal.bounded's own TimeoutError: the stop's grace is spent (not a failure).
+        return isinstance(exc, TimeoutError) and self._stop.left_s() == 0
 
     async def pause(self) -> None:
         """Back off after :meth:`ensure` failed (ends early when stopping)."""

@@ -22,7 +22,7 @@ from typing import Any
 from ledgerbox._core.errors import kafka_unreachable
 from ledgerbox._core.kafka import KafkaSettings
 
-__all__ = ["LOGIN_REFUSED", "KafkaProblem", "probe_kafka", "unreachable"]
+__all__ = ["LOGIN_REFUSED", "KafkaProblem", "probe_kafka"]
 
 #: aiokafka error kinds that mean the broker refused our login: waiting will not fix them.
 LOGIN_REFUSED = frozenset(
@@ -34,10 +34,6 @@ LOGIN_REFUSED = frozenset(
         "IllegalSaslStateError",
     }
 )
-
-
-#: The one line for "no broker answers" (:func:`ledgerbox._core.errors.kafka_unreachable`).
-unreachable = kafka_unreachable
 
 
 # Seconds before a "closed after the TLS handshake" is looked at a second time: a broker
@@ -104,7 +100,7 @@ async def probe_kafka(settings: KafkaSettings, timeout_s: float = 10.0) -> Kafka
         return KafkaProblem(
             False,
             "Unreachable",
-            unreachable(settings.bootstrap_servers),
+            kafka_unreachable(settings.bootstrap_servers),
         )
     return found[0]
 

@@ -175,7 +175,7 @@ def test_relay_and_consumer_name_an_unreachable_kafka_in_the_same_words(
     database_url: str,
 ) -> None:
     """Every command and daemon says "Kafka is unreachable" in ONE phrasing with the same fix
-    (ledgerbox._core.kafka_probe.unreachable); the relay and the consumer used to print two."""
+    (ledgerbox._core.errors.kafka_unreachable); the relay and the consumer used to print two."""
     dead = f"127.0.0.1:{free_port()}"
     code, consumer_line = check("--database-url", database_url, "--kafka-bootstrap-servers", dead)
     relay = subprocess.run(
