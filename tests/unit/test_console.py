@@ -328,3 +328,38 @@ def test_shard_ranges() -> None:
     assert shard_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
     assert shard_ranges([]) == ""
     assert shard_ranges([3]) == "3"
+
+
+async def test_the_sections_of_a_service_are_read_at_once() -> None:
+    # A broker that never answers costs each Kafka read its request timeout (15 s): read one
+    # after the other, the DLQ section then the lag section held the page for 30 s. Here the
+    # DLQ read ends only once the lag read has begun, and the lag read once the relay status
+    # read has: read in turn, the page never comes (the bound below is a deadlock detector).
+    import asyncio
+
+    from ledgerbox.console._view import gather
+
+    started = {name: asyncio.Event() for name in ("status", "lag")}
+
+    class Waiting(InMemorySource):
+        async def relay_status(self, target: ServiceTarget) -> RelayPanel:
+            started["status"].set()
+            return await super().relay_status(target)
+
+        async def dlq_records(self, target: ServiceTarget, dlq_topic: str) -> list[DlqRecord]:
+            await started["lag"].wait()
+            return await super().dlq_records(target, dlq_topic)
+
+        async def lag(self, target: ServiceTarget, group: str) -> list[PartitionLag]:
+            started["lag"].set()
+            await started["status"].wait()
+            return await super().lag(target, group)
+
+    views = await asyncio.wait_for(
+        gather(ConsoleConfig(services=[service()]), Waiting({"orders": data()}), RateMeter()),
+        timeout=30,
+    )
+    (view,) = views
+    assert view.dlq["orders.dlq"].value is not None and len(view.dlq["orders.dlq"].value) == 2
+    assert view.lag["payments"].value == data().lag["payments"]
+    assert view.status.value is not None and view.status.value.pending == 7
