@@ -80,6 +80,7 @@ from ledgerbox.relay._pacing import ClaimPacer
 from ledgerbox.relay._policy import (
     failure_reason,
     held_behind_dead_letter,
+    not_sent,
     publish_fault,
     timestamp_refused,
 )
@@ -355,15 +356,17 @@ class Lane:
                 oldest_ms = min(e.occurred_at_ms for e in confirmed)
                 m.EVENT_AGE_AT_PUBLISH.observe(max(0.0, time.time() - oldest_ms / 1000))
             handled, held = _handled(events, confirmed, dead, deps.config.on_dead_letter)
-            if failure is not None or dead:
-                # The prefetched claim may hold later rows of a key whose row failed or died.
+            clean = failure is None and not dead and len(handled) == len(events)
+            if not clean:
+                # The prefetched claim may hold later rows of a key whose row failed, died
+                # or was not sent: they are read again from the cursors kept below.
                 await self._drop_prefetch()
             if confirmed and deps.hooks.after_confirm is not None:
                 await deps.hooks.after_confirm()
             writes, retry = self._writes(batch, events, handled)
             counts = _per_shard(confirmed)
             letters = [DeadLetter(e.id, e.shard, reason) for e, reason in dead]
-            if pipelined and failure is None and not dead and not held:
+            if pipelined and clean and not held:
                 # Queued for the background persist, which keeps cursors and counts only,
                 # not the batch's rows (peak RSS with several lanes).
                 self._queue(writes, counts, events[0])
@@ -691,6 +694,8 @@ class Lane:
         for (event, _), result in zip(sendable, results, strict=True):
             if not isinstance(result, BaseException):
                 confirmed.append(event)
+            elif not_sent(result):
+                continue  # behind a failed record batch of its partition: read again
             elif publish_fault(result) is Fault.MESSAGE:
                 suspects.append(event)
             else:

@@ -15,11 +15,13 @@ from ledgerbox._core.faults import Fault
 
 __all__ = [
     "LEADER_SHARD",
+    "NOT_SENT",
     "Lease",
     "LeaseBook",
     "failure_reason",
     "fair_share",
     "held_behind_dead_letter",
+    "not_sent",
     "publish_fault",
     "shard_ranges",
     "timestamp_refused",
@@ -68,6 +70,17 @@ def timestamp_refused(exc: BaseException) -> bool:
     """True if the broker refused the record for its timestamp alone (INVALID_TIMESTAMP,
     error code 32: ``log.message.timestamp.after.max.ms`` / ``before.max.ms``)."""
     return isinstance(exc, BrokerError) and exc.kind == "InvalidTimestampError"
+
+
+#: ``BrokerError.kind`` of a record a publisher held back, unsent, because an earlier record
+#: batch of its partition in the same send failed (``Publisher.send_many``).
+NOT_SENT = "NotSent"
+
+
+def not_sent(exc: BaseException) -> bool:
+    """True if the record was never handed to Kafka because an earlier record batch of its
+    partition failed: it is read again, neither dead-lettered nor a failure of its own."""
+    return isinstance(exc, BrokerError) and exc.kind == NOT_SENT
 
 
 def shard_ranges(values: Iterable[int]) -> str:

@@ -25,9 +25,9 @@ from ledgerbox._core.faults import Fault
 from ledgerbox._core.kafka import KafkaSettings
 from ledgerbox._core.kafka_probe import probe_kafka
 from ledgerbox.relay._errors import PublishError
-from ledgerbox.relay._policy import failure_reason
+from ledgerbox.relay._policy import NOT_SENT, failure_reason
 
-__all__ = ["KafkaPublisher", "OutboundRecord", "Publisher"]
+__all__ = ["KafkaPublisher", "OutboundRecord", "Publisher", "not_sent_error"]
 
 log = logging.getLogger("ledgerbox.relay.publisher")
 
@@ -82,7 +82,13 @@ class Publisher(Protocol):
         it in time. Raises :class:`PublishError` when nothing could be handed over.
 
         Records of one key keep their order (same partition, submitted in order). Several
-        records may share one awaitable (one Kafka record batch).
+        records may share one awaitable (one Kafka record batch). A record is never
+        confirmed while an earlier record of its partition in the same call failed: such
+        a record is not sent, and its awaitable raises the ``PublishError`` of
+        :func:`not_sent_error` (kind ``"NotSent"``; the relay reads it again, it neither
+        dead-letters it nor counts a failure). Kafka accepts or refuses each record batch
+        on its own, so a later batch sent anyway could put a key's later events on the
+        topic before an earlier one that is then dead-lettered or re-sent (G3).
         """
 
     async def check(self) -> None:
@@ -130,10 +136,39 @@ def _fail_undelivered(producer: AIOKafkaProducer, why: str) -> None:
         accumulator.fail_all(KafkaError(why))
 
 
+def not_sent_error() -> PublishError:
+    """The error of a record held back behind a failed record batch of its partition (see
+    :meth:`Publisher.send_many`): not handed to Kafka; the relay reads it again, neither
+    dead-letters it nor counts a failure (:func:`~ledgerbox.relay._policy.not_sent`)."""
+    return PublishError(
+        "not sent: an earlier record batch of its partition was not confirmed",
+        fault=Fault.TRANSIENT,
+        kind=NOT_SENT,
+    )
+
+
 def _failed(exc: BaseException) -> asyncio.Future[Any]:
     fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     fut.set_exception(PublishError.translate(exc, "send"))
     return fut
+
+
+def _chain_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> None:
+    """Resolve ``target`` as ``source`` resolves (both already translated)."""
+
+    def copy(done: asyncio.Future[Any]) -> None:
+        if target.done():
+            return
+        if done.cancelled():
+            target.set_exception(
+                PublishError("send cancelled", fault=Fault.TRANSIENT, kind="Cancelled")
+            )
+        elif (exc := done.exception()) is not None:
+            target.set_exception(exc)
+        else:
+            target.set_result(done.result())
+
+    source.add_done_callback(copy)
 
 
 def translated(fut: asyncio.Future[Any]) -> asyncio.Future[Any]:
@@ -209,6 +244,8 @@ class KafkaPublisher:
             "request_timeout_ms": request_timeout_ms,
         }
         self._producer: AIOKafkaProducer | None = None
+        # Tasks sending the later record batches of a partition (send_many).
+        self._behind: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         timeout_s = self._kwargs["request_timeout_ms"] / 1000
@@ -227,6 +264,8 @@ class KafkaPublisher:
         self._producer = producer
 
     async def stop(self, *, abort: bool = False, timeout_s: float | None = None) -> None:
+        for task in self._behind:  # later record batches not handed over yet: never sent
+            task.cancel()
         producer, self._producer = self._producer, None
         if producer is None:
             return
@@ -278,19 +317,28 @@ class KafkaPublisher:
         producer = self._producer
         assert producer is not None
         futures: list[Awaitable[Any] | None] = [None] * len(records)
+        # Per partition: the open batch, and the full batches behind the first one sent.
         open_batches: dict[tuple[str, int], tuple[Any, list[int]]] = {}
+        first_sent: dict[tuple[str, int], asyncio.Future[Any]] = {}
+        behind: dict[tuple[str, int], list[tuple[Any, list[int]]]] = {}
         partitions: dict[str, list[int]] = {}
         failure: BaseException | None = None
 
-        async def submit(topic: str, partition: int, batch: Any, indexes: list[int]) -> None:
+        async def submit(slot: tuple[str, int], batch: Any, indexes: list[int]) -> None:
             nonlocal failure
-            fut: Awaitable[Any] | None = None
+            if slot in first_sent:
+                # Sent only once the slot's earlier batch is confirmed (_send_behind).
+                behind.setdefault(slot, []).append((batch, indexes))
+                return
+            fut: asyncio.Future[Any] | None = None
             if failure is None:
                 try:
-                    fut = translated(await producer.send_batch(batch, topic, partition=partition))
+                    fut = translated(await producer.send_batch(batch, slot[0], partition=slot[1]))
                 except Exception as exc:
                     # Nothing after this may be sent: it could overtake these records.
                     failure = exc
+            if fut is not None:
+                first_sent[slot] = fut
             for i in indexes:
                 futures[i] = fut if fut is not None else _failed(failure or RuntimeError())
 
@@ -308,13 +356,12 @@ class KafkaPublisher:
                 failure = exc
                 futures[i] = _failed(exc)
                 continue
-            partition = partition_for(record.key, all_parts)
-            slot = (record.topic, partition)
+            slot = (record.topic, partition_for(record.key, all_parts))
             entry = open_batches.get(slot)
             if entry is None:
                 entry = open_batches[slot] = (producer.create_batch(), [])
             if not self._append(entry[0], record):
-                await submit(record.topic, partition, *entry)
+                await submit(slot, *entry)
                 entry = open_batches[slot] = (producer.create_batch(), [])
                 if not self._append(entry[0], record):  # never: a first record always fits
                     futures[i] = _failed(
@@ -326,10 +373,64 @@ class KafkaPublisher:
                     )
                     continue
             entry[1].append(i)
-        for (topic, partition), (batch, indexes) in open_batches.items():
+        for slot, (batch, indexes) in open_batches.items():
             if indexes:
-                await submit(topic, partition, batch, indexes)
+                await submit(slot, batch, indexes)
+        loop = asyncio.get_running_loop()
+        for slot, batches in behind.items():
+            chained: list[tuple[Any, asyncio.Future[Any]]] = []
+            for batch, indexes in batches:
+                fut = loop.create_future()
+                chained.append((batch, fut))
+                for i in indexes:
+                    futures[i] = fut
+            task = loop.create_task(self._send_behind(producer, slot, first_sent[slot], chained))
+            self._behind.add(task)
+            task.add_done_callback(self._behind.discard)
         return [f if f is not None else _failed(RuntimeError("not sent")) for f in futures]
+
+    @staticmethod
+    async def _send_behind(
+        producer: AIOKafkaProducer,
+        slot: tuple[str, int],
+        previous: asyncio.Future[Any],
+        chained: list[tuple[Any, asyncio.Future[Any]]],
+    ) -> None:
+        """Send the later record batches of one partition of a :meth:`send_many` call, each
+        once the one before it is confirmed; once one fails (or is given up on), the rest
+        are not sent (:func:`not_sent_error`). Kafka accepts or refuses each record batch on
+        its own: a batch sent behind a refused one could put later events of a key on the
+        topic before the refused event (G3)."""
+
+        def give_up(rest: list[tuple[Any, asyncio.Future[Any]]]) -> None:
+            for _, later in rest:
+                if not later.done():
+                    later.set_exception(not_sent_error())
+
+        for k, (batch, fut) in enumerate(chained):
+            try:
+                await asyncio.shield(previous)
+            except asyncio.CancelledError:
+                give_up(chained[k:])
+                if not previous.cancelled():
+                    raise  # this task was cancelled (the publisher stops)
+                return  # the earlier batch was given up on
+            except Exception:
+                give_up(chained[k:])  # the earlier batch failed
+                return
+            if fut.done():  # given up on by the relay (its wait ended): nothing more to send
+                give_up(chained[k:])
+                return
+            try:
+                previous = translated(await producer.send_batch(batch, slot[0], partition=slot[1]))
+            except asyncio.CancelledError:
+                give_up(chained[k:])
+                raise
+            except Exception as exc:
+                fut.set_exception(PublishError.translate(exc, "send"))
+                give_up(chained[k + 1 :])
+                return
+            _chain_outcome(previous, fut)
 
     @staticmethod
     def _append(batch: Any, record: OutboundRecord) -> bool:

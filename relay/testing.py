@@ -19,7 +19,7 @@ from typing import Any
 
 from ledgerbox.relay._errors import PublishError
 from ledgerbox.relay._memstore import InMemoryRelayStore
-from ledgerbox.relay._publisher import OutboundRecord
+from ledgerbox.relay._publisher import OutboundRecord, not_sent_error
 
 __all__ = ["InMemoryPublisher", "InMemoryRelayStore"]
 
@@ -34,6 +34,12 @@ class InMemoryPublisher:
     an aiokafka error: like the real publisher, this seam hands the relay its
     :class:`ledgerbox.relay.PublishError` (same classification). Records whose delivery
     failed are NOT in :attr:`records`.
+
+    Each record is its own record batch and each key its own partition: as with
+    :class:`~ledgerbox.relay.KafkaPublisher`, once a record of a key fails in a
+    :meth:`send_many` call, the later records of that key in the call are not sent (their
+    awaitables raise the ``"NotSent"`` error of
+    :func:`~ledgerbox.relay._publisher.not_sent_error`).
 
     Attributes
     ----------
@@ -86,8 +92,13 @@ class InMemoryPublisher:
     async def send_many(self, records: Sequence[OutboundRecord]) -> list[Awaitable[Any]]:
         loop = asyncio.get_running_loop()
         futures: list[Awaitable[Any]] = []
+        failed_keys: set[bytes] = set()
         for record in records:
             fut: asyncio.Future[None] = loop.create_future()
+            futures.append(fut)
+            if record.key in failed_keys:
+                fut.set_exception(not_sent_error())
+                continue
             failure: BaseException | None = self.precheck(record)
             if failure is None and self._fail_next:
                 failure = self._fail_next.pop(0)
@@ -96,8 +107,8 @@ class InMemoryPublisher:
                     failure = exc
             if failure is not None:
                 fut.set_exception(PublishError.translate(failure, "send"))
+                failed_keys.add(record.key)
             else:
                 self.records.append(record)
                 fut.set_result(None)
-            futures.append(fut)
         return futures

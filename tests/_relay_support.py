@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import MessageSizeTooLargeError
 from psycopg import sql
 from sqlalchemy import Engine, text
@@ -131,6 +132,20 @@ class DelegatingStore:
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+async def create_topic(
+    bootstrap: str, name: str, configs: dict[str, str], *, partitions: int = 1
+) -> None:
+    """Create ``name`` with topic-level ``configs`` (``max.message.bytes``, ...)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [NewTopic(name, num_partitions=partitions, replication_factor=1, topic_configs=configs)]
+        )
+    finally:
+        await admin.close()
 
 
 def writer_for(topic: str, source: str = "/relay-tests") -> OutboxWriter:

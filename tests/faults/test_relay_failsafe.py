@@ -15,7 +15,6 @@ import uuid
 
 import pytest
 import sqlalchemy as sa
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
@@ -211,17 +210,6 @@ def test_failsafe_06_relay_run_without_a_database_url_names_every_way_to_set_it(
 # --------------------------------------------------------------------------- C19 / line 12
 
 
-async def _create_topic(bootstrap: str, name: str, configs: dict[str, str]) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics(
-            [NewTopic(name, num_partitions=1, replication_factor=1, topic_configs=configs)]
-        )
-    finally:
-        await admin.close()
-
-
 def _counter(metric: object) -> float:
     return float(metric._value.get())  # type: ignore[attr-defined]
 
@@ -236,7 +224,7 @@ async def test_failsafe_12_c19_a_timestamp_the_broker_refuses_never_strands_the_
     the event time) and the key's next event follows it."""
     rs.reset_relay_tables(engine)
     topic = f"c19-{uuid.uuid4().hex[:8]}"
-    await _create_topic(
+    await rs.create_topic(
         kafka_bootstrap,
         topic,
         {"message.timestamp.after.max.ms": "60000", "message.timestamp.before.max.ms": "86400000"},

@@ -603,3 +603,74 @@ async def test_a_shard_reacquired_under_a_new_fence_during_a_slow_claim_is_not_s
         f"k{i}" for i in range(5)
     ], "each event sent once"
     assert all(store.is_published(r) for r in rows)
+
+
+async def test_g3_a_delivery_refusal_holds_the_later_events_of_its_key_sent_with_it() -> None:
+    """The broker refuses E1's record batch (MessageSizeTooLarge at delivery, not at the
+    precheck) while E2 and E3 of the same key travel in later record batches of the same
+    send: they are not sent (the publisher holds them back), E1 is dead-lettered and E2, E3
+    are held - never published ahead of E1. Before 2026-12-04 E2 and E3 were confirmed."""
+    store, publisher = InMemoryRelayStore("r1"), InMemoryPublisher()
+    bad = store.add(ev("k", 1, huge=True))
+    later = [store.add(ev("k", 2)), store.add(ev("k", 3))]
+    other = store.add(ev("other", 1))
+    publisher.fail_delivery(lambda r: b'"huge"' in r.value, MessageSizeTooLargeError())
+    relay = Relay(config(), publisher=publisher, store_factory=store.factory())
+    try:
+        for _ in range(3):
+            await relay.run_once()
+    finally:
+        await relay.aclose()
+    assert store.status_of(bad) is EventStatus.DEAD_LETTERED
+    assert [store.status_of(r) for r in later] == [EventStatus.HELD, EventStatus.HELD]
+    assert [r.key for r in publisher.records] == [b"other"]
+    assert store.is_published(other)
+
+
+async def test_g3_a_transient_delivery_failure_sends_nothing_of_its_key_after_it() -> None:
+    """E1's delivery times out; E2 (same key, same send) must not be confirmed before E1:
+    after the fault clears, the key's records are [1, 2] and nothing came before E1."""
+    store, publisher = InMemoryRelayStore("r1"), InMemoryPublisher()
+    rows = [store.add(ev("k", 1)), store.add(ev("k", 2))]
+    from aiokafka.errors import KafkaTimeoutError
+
+    publisher.fail_next_sends(1, KafkaTimeoutError())
+    relay = Relay(config(backoff_max_s=0.1), publisher=publisher, store_factory=store.factory())
+    try:
+        for _ in range(4):
+            await relay.run_once()
+    finally:
+        await relay.aclose()
+    assert [json.loads(r.value)["seq"] for r in publisher.records] == [1, 2]
+    assert all(store.is_published(r) for r in rows)
+
+
+async def test_g3_a_record_held_back_behind_a_restamped_one_is_read_again_when_pipelined() -> None:
+    """Pipelined lane (Relay.run, prefetch on): E1's timestamp is refused and it is re-sent
+    with the send time (C19); E2 of its key, held back unsent behind it, is neither confirmed
+    nor dead - the batch is not clean, so the prefetched claim (read past E2) is dropped and
+    E2 is read again, then published after E1 (batches of 2: the prefetch read E3, E4)."""
+    from aiokafka.errors import InvalidTimestampError
+
+    store, publisher = InMemoryRelayStore("r1"), InMemoryPublisher()
+    rows = [store.add(ev("k", 1, future=True))] + [store.add(ev("k", i)) for i in (2, 3, 4)]
+    refused_at = T0.timestamp() * 1000
+    publisher.fail_delivery(
+        lambda r: b'"future"' in r.value and r.timestamp_ms == refused_at, InvalidTimestampError()
+    )
+    relay = Relay(
+        config(claim_linger_ms=0, poll_interval_s=0.05, batch_size=2),
+        publisher=publisher,
+        store_factory=store.factory(),
+    )
+    task = asyncio.create_task(relay.run())
+    try:
+        for _ in range(2000):
+            if len(publisher.records) >= 4 and all(store.is_published(r) for r in rows):
+                break
+            await asyncio.sleep(0.002)
+    finally:
+        relay.stop()
+        await asyncio.wait_for(task, 10)
+    assert [json.loads(r.value)["seq"] for r in publisher.records] == [1, 2, 3, 4]
+    assert all(store.is_published(r) for r in rows)

@@ -14,6 +14,7 @@ from ledgerbox.relay._policy import (
     LeaseBook,
     fair_share,
     held_behind_dead_letter,
+    not_sent,
     publish_fault,
 )
 
@@ -168,18 +169,24 @@ async def test_in_memory_publisher_injects_faults() -> None:
     pub = InMemoryPublisher()
     assert isinstance(pub, Publisher)
     rec = OutboundRecord(topic="t", key=b"k", value=b"{}", timestamp_ms=1, headers=[])
+    other = OutboundRecord(topic="t", key=b"other", value=b"{}", timestamp_ms=1, headers=[])
     pub.fail_next_sends(1, kerr.KafkaTimeoutError())
-    (first, second) = await pub.send_many([rec, rec])
+    (first, second, third) = await pub.send_many([rec, rec, other])
     with pytest.raises(PublishError) as failed:
         await first
     assert failed.value.kind == "KafkaTimeoutError" and failed.value.fault is Fault.TRANSIENT
-    await second
+    with pytest.raises(PublishError) as held_back:
+        await second  # behind a failed record of its key (partition): never sent
+    assert not_sent(held_back.value) and not not_sent(failed.value)
+    await third  # another key goes on
+    (again,) = await pub.send_many([rec])
+    await again
     big = OutboundRecord(topic="t", key=b"big", value=b"{}", timestamp_ms=1, headers=[])
     pub.reject_on_send(lambda r: r.key == b"big", kerr.MessageSizeTooLargeError())
     refused = pub.precheck(big)
     assert refused is not None and refused.fault is Fault.MESSAGE
     assert pub.precheck(rec) is None
-    assert pub.records == [rec]
+    assert pub.records == [other, rec]
 
 
 def test_kafka_publisher_precheck_refuses_records_above_max_request_size() -> None:
