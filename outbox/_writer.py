@@ -268,8 +268,10 @@ class OutboxWriter:
 
         With a ``Session`` or ``AsyncSession`` this only calls ``session.add`` (no I/O; the
         row is inserted at the session's next flush, at the latest at commit, by one INSERT
-        per outbox table per flush - :func:`_insert_staged` - not by the unit of work). With a Core
-        ``Connection`` the INSERT runs now, inside the connection's open transaction.
+        per outbox table per flush - :func:`_insert_staged` - not by the unit of work, and
+        after the flush's own statements: the outbox id, the relay's order, is taken under
+        the row locks the flush took, docs/outbox.md). With a Core ``Connection`` the INSERT
+        runs now, inside the connection's open transaction.
 
         Guarantee: the event exists if and only if the caller's transaction commits.
 
@@ -373,7 +375,7 @@ class OutboxWriter:
                 return target.execute(query.statement, query.params, bind_arguments=self._bind_args)
             return target.execute(query.statement, query.params)
 
-        if isinstance(target, Session) and target.info.get(_STAGED):
+        if isinstance(target, Session) and _unwritten(target):
             _insert_staged(target, None, None)  # events staged before this one go first
         return run_plan(self._stage_once_plan(event), execute)
 
@@ -402,7 +404,7 @@ class OutboxWriter:
                 )
             return await target.execute(query.statement, query.params)
 
-        if isinstance(target, AsyncSession) and target.sync_session.info.get(_STAGED):
+        if isinstance(target, AsyncSession) and _unwritten(target.sync_session):
             await target.run_sync(_insert_staged, None, None)  # events staged before go first
         return await arun_plan(self._stage_once_plan(event), execute)
 
@@ -492,20 +494,27 @@ class OutboxWriter:
 
 #: ``Session.info`` key: ``(writer, row object)`` of the events staged since the last flush.
 _STAGED = "ledgerbox.outbox.staged"
+#: ``Session.info`` key: the rows of the flush under way, written after its unit of work.
+_DEFERRED = "ledgerbox.outbox.deferred"
+_Pending = list[tuple["OutboxWriter", tuple[_Values, _Values]]]
 _listening = False
 
 
 def _listen_for_flushes() -> None:
-    """Register :func:`_insert_staged` on every ``Session`` (once per process)."""
+    """Register the flush listeners on every ``Session`` (once per process)."""
     global _listening
     if not _listening:
         sa.event.listen(Session, "before_flush", _insert_staged)
+        sa.event.listen(Session, "after_flush", _insert_after_unit_of_work)
+        sa.event.listen(Session, "after_soft_rollback", _forget_deferred)
+        sa.event.listen(Session, "before_commit", _insert_left_over)
         _listening = True
 
 
 def _insert_staged(session: Session, flush_context: object, instances: object) -> None:
-    """``before_flush``: write the events staged in ``session`` with one INSERT per outbox
-    table, in staging order, and take their row objects out of the session.
+    """``before_flush``: take the events staged in ``session`` out of it and write them with
+    one INSERT per outbox table, in staging order, after the flush's unit of work
+    (:func:`_insert_after_unit_of_work`), or now when the flush has nothing else to write.
 
     The rows still go in at the flush, as ``session.add`` promises (an explicit flush,
     autoflush, or the commit's flush), in the session's transaction (G1). The unit of work
@@ -514,6 +523,14 @@ def _insert_staged(session: Session, flush_context: object, instances: object) -
     savepoint rolled back, or the caller expunged it) is not written. Events staged by a
     later ``before_flush`` listener are flushed by the unit of work as before (same rows).
 
+    Why after the unit of work: the outbox id is the relay's order within a claim (G3), and
+    it is taken at the INSERT. Written before the flush's UPDATE of the aggregate row, a
+    writer took its id, then waited for the row lock of a second writer that committed
+    first: commit order [T2, T1], id order [T1, T2], and a claim that saw both published them
+    in id order (found by an adversarial review, 2026-12-02). Written after it, the id is
+    taken under the row locks the flush took, held to the commit: writers that serialize on
+    their aggregate's row get ids in commit order.
+
     Rows are grouped by outbox table (statement and connection), not by writer: two writers
     sharing a table keep the staging order of their events in the ids. A failing INSERT
     (e.g. a duplicate key) fails the flush as a failing unit of work does: the session's
@@ -521,35 +538,92 @@ def _insert_staged(session: Session, flush_context: object, instances: object) -
     back before it is used again, so a later ``commit`` raises instead of returning over a
     transaction PostgreSQL already aborted.
     """
-    staged = session.info.pop(_STAGED, None)
-    if not staged:
-        return
-    pending: list[tuple[OutboxWriter, tuple[_Values, _Values]]] = []
-    for writer, obj in staged:
+    pending: _Pending = session.info.pop(_DEFERRED, None) or []  # a flush without work
+    for writer, obj in session.info.pop(_STAGED, None) or ():
         if not sa.inspect(obj).pending:
             continue
         session.expunge(obj)
         pending.append((writer, obj._ledgerbox_row))
     if not pending:
         return
-    # The subtransaction Session._flush opens around the unit of work: its rollback on an
-    # error deactivates the session's transaction (PendingRollbackError until rolled back).
+    if flush_context is not None and instances is None and _unit_of_work_runs(session):
+        session.info[_DEFERRED] = pending
+        return
+    _write_now(session, pending)
+
+
+def _insert_after_unit_of_work(session: Session, flush_context: object) -> None:
+    """``after_flush``: write the rows :func:`_insert_staged` kept for after the unit of
+    work, inside the flush's own transaction (an error fails the flush)."""
+    pending = session.info.pop(_DEFERRED, None)
+    if pending:
+        _write(session, pending)
+
+
+def _forget_deferred(session: Session, previous_transaction: object) -> None:
+    """``after_soft_rollback``: the rows of a flush that failed are rolled back with it."""
+    session.info.pop(_DEFERRED, None)
+
+
+def _insert_left_over(session: Session) -> None:
+    """``before_commit``: rows kept for a flush whose unit of work then found nothing to do
+    (another ``before_flush`` listener took the rest out) are written now, before the
+    commit; never dropped."""
+    pending = session.info.pop(_DEFERRED, None)
+    if pending:
+        _write_now(session, pending)
+
+
+def _unwritten(session: Session) -> bool:
+    """Events staged in ``session`` and not written yet."""
+    return bool(session.info.get(_STAGED) or session.info.get(_DEFERRED))
+
+
+def _unit_of_work_runs(session: Session) -> bool:
+    """Whether the flush under way will run its unit of work (and ``after_flush``), as
+    ``Session._flush`` decides after ``before_flush``: a changed or deleted object is always
+    flushed; a pending one unless it is an orphan the flush drops (delete-orphan cascade,
+    taken from its parent outside the session). When unsure (SQLAlchemy's internals
+    changed), ``False``: the rows are then written before the unit of work, as before
+    2026-12-04."""
+    if session.dirty or session.deleted:
+        return True
+    for obj in session.new:
+        state = sa.inspect(obj)
+        try:
+            dropped = state._orphaned_outside_of_session and state.mapper._is_orphan(state)
+        except AttributeError:  # pragma: no cover - a SQLAlchemy without the check
+            return False
+        if not dropped:
+            return True
+    return False
+
+
+def _write_now(session: Session, pending: _Pending) -> None:
+    """:func:`_write` outside a flush, in a subtransaction as ``Session._flush`` opens one
+    around its unit of work: its rollback on an error deactivates the session's
+    transaction (``PendingRollbackError`` until the caller rolls back)."""
     transaction = session._autobegin_t()._begin()
     try:
-        groups: dict[tuple[Connection, str], tuple[OutboxWriter, list[tuple[_Values, _Values]]]]
-        groups = {}
-        connections: dict[OutboxWriter, Connection] = {}
-        for writer, row in pending:
-            conn = connections.get(writer)
-            if conn is None:
-                conn = connections[writer] = session.connection(bind_arguments=writer._bind_args)
-            groups.setdefault((conn, writer._insert_sql), (writer, []))[1].append(row)
-        for (conn, _sql), (writer, rows) in groups.items():
-            writer._insert_rows(conn, rows)
+        _write(session, pending)
     except BaseException:
         with sa.util.safe_reraise():  # a failing rollback does not hide the INSERT's error
             transaction.rollback(_capture_exception=True)
     transaction.commit()
+
+
+def _write(session: Session, pending: _Pending) -> None:
+    """One INSERT per outbox table (and connection) for ``pending``, in staging order."""
+    groups: dict[tuple[Connection, str], tuple[OutboxWriter, list[tuple[_Values, _Values]]]]
+    groups = {}
+    connections: dict[OutboxWriter, Connection] = {}
+    for writer, row in pending:
+        conn = connections.get(writer)
+        if conn is None:
+            conn = connections[writer] = session.connection(bind_arguments=writer._bind_args)
+        groups.setdefault((conn, writer._insert_sql), (writer, []))[1].append(row)
+    for (conn, _sql), (writer, rows) in groups.items():
+        writer._insert_rows(conn, rows)
 
 
 def _psycopg(dialect: sa.Dialect) -> bool:

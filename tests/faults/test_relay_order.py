@@ -22,13 +22,15 @@ import base64
 import datetime as dt
 import json
 import os
+import threading
+import time
 import uuid
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from sqlalchemy import Engine, text
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from ledgerbox import admin
 from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter
@@ -36,6 +38,23 @@ from ledgerbox.relay import Relay
 from tests import _relay_support as rs
 
 pytestmark = pytest.mark.timeout(240)
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class _Account(_Base):
+    """An aggregate row that writers lock by updating it."""
+
+    __tablename__ = "g3_account"
+    id: Mapped[str] = mapped_column(primary_key=True)
+    balance: Mapped[int]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tables(engine: Engine) -> None:
+    _Base.metadata.create_all(engine)
 
 
 #: The topic's ``max.message.bytes`` in the size test: one record batch of the relay holds
@@ -169,3 +188,79 @@ async def test_g3_c19_a_restamped_event_keeps_its_place_before_a_later_record_ba
     records = await rs.consume(kafka_bootstrap, topic, until=lambda got: len(got) >= 3)
     assert _seqs(records) == [1, 2, 3]
     assert _statuses(engine, ids) == [0, 0, 0], "nothing dead-lettered, nothing held"
+
+
+def _wait_for_lock_wait(engine: Engine, within_s: float = 30.0) -> None:
+    """Until a backend of this database waits for a row lock."""
+    deadline = time.monotonic() + within_s
+    with engine.connect() as conn:
+        while True:
+            waiting = conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND datname = current_database()"
+                )
+            ).scalar_one()
+            if waiting:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError("no backend waits for a lock")
+            time.sleep(0.02)
+            conn.rollback()
+
+
+async def test_g3_writers_serialized_on_the_aggregate_row_are_published_in_commit_order(
+    engine: Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """T2 updates account A (row lock) and keeps its transaction open. T1 changes A through
+    the ORM and stages event "t1" in the same flush; its UPDATE waits for T2's lock. T2 then
+    stages "t2" and commits; T1 goes on and commits. Commit order [T2, T1]: the relay, one
+    claim seeing both, publishes ["t2", "t1"]. Before 2026-12-04 the flush inserted T1's
+    outbox row (its id) before its UPDATE blocked: ["t1", "t2"]."""
+    rs.reset_relay_tables(engine)
+    topic = f"g3-lock-{uuid.uuid4().hex[:8]}"
+    await rs.create_topic(kafka_bootstrap, topic, {})
+    writer = OutboxWriter(TopicRouter(default=topic), source="/g3")
+    key = f"acct-{uuid.uuid4().hex[:8]}"
+    with Session(engine) as session, session.begin():
+        session.add(_Account(id=key, balance=0))
+
+    def deposit(session: Session, label: str) -> None:
+        account = session.get(_Account, key)
+        assert account is not None
+        account.balance = _Account.balance + 10  # type: ignore[assignment]
+        writer.stage(session, _event(writer, key, 1 if label == "t1" else 2, label=label))
+
+    t2 = Session(engine)
+    t2.begin()
+    account = t2.get(_Account, key)
+    assert account is not None
+    account.balance = _Account.balance + 1  # type: ignore[assignment]
+    t2.flush()  # T2 holds A's row lock
+
+    failures: list[BaseException] = []
+
+    def t1_work() -> None:
+        try:
+            with Session(engine) as t1, t1.begin():
+                deposit(t1, "t1")  # its commit's flush waits for T2's lock
+        except BaseException as exc:  # pragma: no cover - reported below
+            failures.append(exc)
+
+    thread = threading.Thread(target=t1_work)
+    thread.start()
+    try:
+        _wait_for_lock_wait(engine)
+        deposit(t2, "t2")
+        t2.commit()
+    finally:
+        t2.close()
+        thread.join(60)
+    assert not failures, failures
+    relay = Relay(rs.config(database_url, kafka_bootstrap))
+    try:
+        await _drain(relay)
+    finally:
+        await relay.aclose()
+    records = await rs.consume(kafka_bootstrap, topic, until=lambda got: len(got) >= 2)
+    assert [json.loads(r.value)["label"] for r in records] == ["t2", "t1"]

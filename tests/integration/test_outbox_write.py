@@ -21,7 +21,15 @@ from sqlalchemy.ext.asyncio import (
     async_scoped_session,
     async_sessionmaker,
 )
-from sqlalchemy.orm import Session, scoped_session, sessionmaker
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    Mapped,
+    Session,
+    mapped_column,
+    relationship,
+    scoped_session,
+    sessionmaker,
+)
 
 from ledgerbox import migrations
 from ledgerbox.outbox import (
@@ -820,3 +828,142 @@ def test_the_deprecated_copy_validates_like_model_copy(engine: Engine) -> None:
     with Session(engine) as session, session.begin():
         WRITER.stage(session, moved)
     assert _count(engine) == 1
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class _Ledger(_Base):
+    """An aggregate mapped for the unit of work, with children kept by delete-orphan."""
+
+    __tablename__ = "write_order_ledger"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    balance: Mapped[int]
+    lines: Mapped[list[_Line]] = relationship(cascade="all, delete-orphan")
+
+
+class _Line(_Base):
+    __tablename__ = "write_order_line"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    ledger_id: Mapped[int] = mapped_column(sa.ForeignKey("write_order_ledger.id"))
+
+
+@pytest.fixture(scope="module")
+def ledger_tables(engine: Engine) -> None:
+    _Base.metadata.create_all(engine)
+
+
+def _statements(engine: Engine) -> tuple[list[str], Any]:
+    seen: list[str] = []
+
+    def record(conn: object, cursor: object, statement: str, *_: object) -> None:
+        seen.append(statement.lstrip().split("(")[0].split(" SET")[0].strip())
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    return seen, lambda: sa.event.remove(engine, "before_cursor_execute", record)
+
+
+def _outbox_ids(engine: Engine) -> list[str]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(sa.text("SELECT aggregate_id FROM outbox ORDER BY id")).scalars().all()
+        )
+
+
+def test_g3_a_flushs_outbox_rows_go_in_after_its_unit_of_work(
+    engine: Engine, ledger_tables: None
+) -> None:
+    """The outbox id is the relay's order: taken after the flush's own statements (the
+    UPDATE that locks the aggregate row, an INSERT), so writers that serialize on the row get
+    ids in commit order (tests/faults/test_relay_order.py has the two-writer case)."""
+    with Session(engine) as session, session.begin():
+        session.add(_Ledger(id=1, balance=0))
+    seen, stop = _statements(engine)
+    try:
+        with Session(engine) as session, session.begin():
+            ledger = session.get(_Ledger, 1)
+            assert ledger is not None
+            ledger.balance = _Ledger.balance + 5  # type: ignore[assignment]
+            WRITER.stage(session, _event(90))
+            session.add(_Ledger(id=2, balance=0))
+    finally:
+        stop()
+    writes = [s for s in seen if not s.startswith("SELECT")]
+    assert sorted(writes[:2]) == ["INSERT INTO write_order_ledger", "UPDATE write_order_ledger"]
+    assert writes[2:] == ["INSERT INTO outbox"]
+    assert _outbox_ids(engine) == ["90"]
+
+
+def test_a_flush_with_only_a_dropped_orphan_still_writes_the_staged_event(
+    engine: Engine, ledger_tables: None
+) -> None:
+    """A pending orphan (delete-orphan, taken from its parent outside of any session) is
+    dropped by the flush without a statement: the unit of work
+    then runs nothing, and no ``after_flush`` comes. The staged event is written anyway."""
+    line = _Line(id=1)
+    draft = _Ledger(id=6, balance=0, lines=[line])  # never in a session
+    with Session(engine) as session, session.begin():
+        session.add(line)
+        draft.lines.remove(line)  # an orphan now: the flush drops it without a statement
+        WRITER.stage(session, _event(91))
+        session.flush()
+        assert session.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one() == 1
+    assert _outbox_ids(engine) == ["91"]
+
+
+def test_a_partial_flush_writes_the_staged_events(engine: Engine, ledger_tables: None) -> None:
+    """``session.flush([obj])`` (a subset) writes the staged events at once."""
+    with Session(engine) as session, session.begin():
+        other = _Ledger(id=3, balance=0)
+        session.add(other)
+        WRITER.stage(session, _event(92))
+        session.flush([other])
+        assert session.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one() == 1
+    assert _outbox_ids(engine) == ["92"]
+
+
+def test_events_kept_for_a_unit_of_work_another_listener_emptied_are_written_at_commit(
+    engine: Engine, ledger_tables: None
+) -> None:
+    """Another ``before_flush`` listener, after ledgerbox's, takes the only other pending
+    object out: the flush runs no unit of work and no ``after_flush``. The events kept for
+    after it are written before the commit, never dropped."""
+
+    def drop_drafts(session: Session, *_: object) -> None:
+        for obj in list(session.new):
+            if isinstance(obj, _Ledger) and obj.balance < 0:
+                session.expunge(obj)
+
+    sa.event.listen(Session, "before_flush", drop_drafts)
+    try:
+        with Session(engine) as session, session.begin():
+            session.add(_Ledger(id=4, balance=-1))  # a draft the listener drops
+            WRITER.stage(session, _event(93))
+            session.flush()  # nothing left to flush at the commit: written before it
+        with Session(engine) as session, session.begin():
+            session.add(_Ledger(id=4, balance=-1))
+            WRITER.stage(session, _event(94))
+            session.flush()
+            WRITER.stage(session, _event(95))  # the commit's flush writes 94, then 95
+    finally:
+        sa.event.remove(Session, "before_flush", drop_drafts)
+    assert _outbox_ids(engine) == ["93", "94", "95"]
+
+
+def test_a_failed_unit_of_work_drops_the_events_kept_for_after_it(
+    engine: Engine, ledger_tables: None
+) -> None:
+    """The flush's unit of work fails (duplicate primary key): the events kept for after it
+    are rolled back with it and never written in the session's next transaction."""
+    with Session(engine) as session, session.begin():
+        session.add(_Ledger(id=5, balance=0))
+    with Session(engine) as session:
+        session.add(_Ledger(id=5, balance=0))  # a duplicate: the unit of work fails
+        WRITER.stage(session, _event(95))
+        with pytest.raises(IntegrityError):
+            session.flush()
+        session.rollback()
+        with session.begin():
+            WRITER.stage(session, _event(96))
+    assert _outbox_ids(engine) == ["96"]
