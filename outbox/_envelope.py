@@ -372,9 +372,13 @@ def to_json_payload(payload: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
     NonFiniteNumberError
         If any number in the payload is NaN or +-Infinity (``path`` says where).
     EventValidationError
-        If the payload is not a model or mapping, or holds a value JSON cannot carry.
+        If the payload is not a model or mapping, holds a value JSON cannot carry, contains
+        itself or is nested deeper than the interpreter's recursion limit (about 1,000).
     """
-    _check_values(payload, "payload")
+    try:
+        _check_values(payload, "payload")
+    except RecursionError:  # past the interpreter's limit, or a container holding itself
+        raise _too_deep() from None
     if isinstance(payload, BaseModel):
         result = payload.model_dump(mode="json")
     elif isinstance(payload, Mapping):
@@ -411,7 +415,11 @@ def dumps_payload(payload: Mapping[str, Any]) -> bytes:
             "which converts it"
         ) from None
     except RecursionError:  # json.dumps past the interpreter's limit: it escaped stage as is
-        raise EventValidationError(
-            "payload is nested too deeply to be encoded as JSON: flatten it"
-        ) from None
+        raise _too_deep() from None
     return text.encode("utf-8")
+
+
+def _too_deep() -> EventValidationError:
+    return EventValidationError(
+        "payload is nested too deeply to be encoded as JSON (or contains itself): flatten it"
+    )

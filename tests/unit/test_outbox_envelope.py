@@ -505,3 +505,29 @@ def test_an_envelope_built_directly_refuses_a_nested_non_string_key() -> None:
     )
     with pytest.raises(ValidationError, match=r"payload\.a key 1 is not a string"):
         EventEnvelope(**{**fields, "payload": {"a": {1: "x", "1": "y"}}})
+
+
+@pytest.mark.parametrize("shape", ["deep_mapping", "deep_list", "circular"])
+def test_event_refuses_a_payload_too_deep_or_containing_itself_with_a_typed_error(
+    shape: str,
+) -> None:
+    """A payload nested 5,000 deep (or holding itself) given to ``event()`` raised a bare
+    ``RecursionError`` from the payload walk (adversarial review, 2026-12-02): now
+    ``EventValidationError`` naming the cause and the fix."""
+    payload: dict[str, object] = {}
+    if shape == "circular":
+        payload["self"] = payload
+    else:
+        cursor: object = payload
+        for _ in range(5000):
+            child: dict[str, object] | list[object] = {} if shape == "deep_mapping" else []
+            if isinstance(cursor, dict):
+                cursor["a"] = child
+            else:
+                cursor.append(child)  # type: ignore[attr-defined]
+            cursor = child
+    with pytest.raises(EventValidationError, match=r"nested too deeply.*flatten it"):
+        _writer().event(
+            event_type="E", aggregate_type="a", aggregate_id=1, payload=payload,
+            idempotency_key="k",
+        )  # fmt: skip
