@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
-from sqlalchemy.orm import Session, scoped_session
+from sqlalchemy.orm import Session, SessionTransaction, scoped_session
 
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.faults import Fault, driver_fault
@@ -496,6 +496,8 @@ class OutboxWriter:
 _STAGED = "ledgerbox.outbox.staged"
 #: ``Session.info`` key: the rows of the flush under way, written after its unit of work.
 _DEFERRED = "ledgerbox.outbox.deferred"
+#: ``Session.info`` key: the (innermost) transaction those rows were staged in.
+_DEFERRED_IN = "ledgerbox.outbox.deferred_in"
 _Pending = list[tuple["OutboxWriter", tuple[_Values, _Values]]]
 _listening = False
 
@@ -538,6 +540,7 @@ def _insert_staged(session: Session, flush_context: object, instances: object) -
     back before it is used again, so a later ``commit`` raises instead of returning over a
     transaction PostgreSQL already aborted.
     """
+    session.info.pop(_DEFERRED_IN, None)
     pending: _Pending = session.info.pop(_DEFERRED, None) or []  # a flush without work
     for writer, obj in session.info.pop(_STAGED, None) or ():
         if not sa.inspect(obj).pending:
@@ -548,6 +551,7 @@ def _insert_staged(session: Session, flush_context: object, instances: object) -
         return
     if flush_context is not None and instances is None and _unit_of_work_runs(session):
         session.info[_DEFERRED] = pending
+        session.info[_DEFERRED_IN] = session.get_nested_transaction() or session.get_transaction()
         return
     _write_now(session, pending)
 
@@ -555,20 +559,37 @@ def _insert_staged(session: Session, flush_context: object, instances: object) -
 def _insert_after_unit_of_work(session: Session, flush_context: object) -> None:
     """``after_flush``: write the rows :func:`_insert_staged` kept for after the unit of
     work, inside the flush's own transaction (an error fails the flush)."""
+    session.info.pop(_DEFERRED_IN, None)
     pending = session.info.pop(_DEFERRED, None)
     if pending:
         _write(session, pending)
 
 
-def _forget_deferred(session: Session, previous_transaction: object) -> None:
-    """``after_soft_rollback``: the rows of a flush that failed are rolled back with it."""
-    session.info.pop(_DEFERRED, None)
+def _forget_deferred(session: Session, previous_transaction: SessionTransaction) -> None:
+    """``after_soft_rollback``: the rows kept for after a unit of work are rolled back with
+    the transaction they were staged in: when the flush itself fails (its subtransaction
+    rolls that transaction back), or that transaction or an enclosing one rolls back. A
+    savepoint begun after them and rolled back leaves them be."""
+    owner = session.info.get(_DEFERRED_IN)
+    chain = []
+    while owner is not None:
+        chain.append(owner)
+        owner = owner.parent
+    rolled_back = previous_transaction
+    if not rolled_back.nested and rolled_back.parent is not None:
+        rolled_back = rolled_back.parent  # a subtransaction (the flush's) fails its parent
+    if not chain or any(t is rolled_back for t in chain):
+        session.info.pop(_DEFERRED, None)
+        session.info.pop(_DEFERRED_IN, None)
 
 
 def _insert_left_over(session: Session) -> None:
     """``before_commit``: rows kept for a flush whose unit of work then found nothing to do
     (another ``before_flush`` listener took the rest out) are written now, before the
-    commit; never dropped."""
+    commit, or at the next flush if one comes first (:func:`_insert_staged`). One case can
+    still lose them: a savepoint begun after that flush whose own flush writes them and
+    which then rolls back (it needs a listener emptying our flush first)."""
+    session.info.pop(_DEFERRED_IN, None)
     pending = session.info.pop(_DEFERRED, None)
     if pending:
         _write_now(session, pending)

@@ -946,9 +946,14 @@ def test_events_kept_for_a_unit_of_work_another_listener_emptied_are_written_at_
             WRITER.stage(session, _event(94))
             session.flush()
             WRITER.stage(session, _event(95))  # the commit's flush writes 94, then 95
+        with Session(engine) as session, session.begin():
+            session.add(_Ledger(id=4, balance=-1))
+            WRITER.stage(session, _event(96))
+            session.flush()
+            session.begin_nested().rollback()  # a savepoint begun after: 96 is not its own
     finally:
         sa.event.remove(Session, "before_flush", drop_drafts)
-    assert _outbox_ids(engine) == ["93", "94", "95"]
+    assert _outbox_ids(engine) == ["93", "94", "95", "96"]
 
 
 def test_a_failed_unit_of_work_drops_the_events_kept_for_after_it(
@@ -965,5 +970,5 @@ def test_a_failed_unit_of_work_drops_the_events_kept_for_after_it(
             session.flush()
         session.rollback()
         with session.begin():
-            WRITER.stage(session, _event(96))
-    assert _outbox_ids(engine) == ["96"]
+            WRITER.stage(session, _event(97))
+    assert _outbox_ids(engine) == ["97"]
