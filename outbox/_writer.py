@@ -509,6 +509,7 @@ def _listen_for_flushes() -> None:
         sa.event.listen(Session, "before_flush", _insert_staged)
         sa.event.listen(Session, "after_flush", _insert_after_unit_of_work)
         sa.event.listen(Session, "after_soft_rollback", _forget_deferred)
+        sa.event.listen(Session, "after_transaction_end", _forget_deferred)
         sa.event.listen(Session, "before_commit", _insert_left_over)
         _listening = True
 
@@ -549,11 +550,26 @@ def _insert_staged(session: Session, flush_context: object, instances: object) -
         pending.append((writer, obj._ledgerbox_row))
     if not pending:
         return
-    if flush_context is not None and instances is None and _unit_of_work_runs(session):
+    if (
+        flush_context is not None
+        and instances is None
+        and _last_before_flush(session)
+        and _unit_of_work_runs(session)
+    ):
         session.info[_DEFERRED] = pending
         session.info[_DEFERRED_IN] = session.get_nested_transaction() or session.get_transaction()
         return
     _write_now(session, pending)
+
+
+def _last_before_flush(session: Session) -> bool:
+    """Whether :func:`_insert_staged` is the session's last ``before_flush`` listener. Only
+    then is what it sees what the unit of work will flush: a listener after it could take
+    the rest out or raise, and the flush would end without ``after_flush`` (rows kept for
+    it would outlive their transaction: an adversarial review, 2026-12-04). With one, the
+    rows are written before the unit of work, as before 2026-12-04."""
+    listeners = list(session.dispatch.before_flush)
+    return bool(listeners) and listeners[-1] is _insert_staged
 
 
 def _insert_after_unit_of_work(session: Session, flush_context: object) -> None:
@@ -566,10 +582,13 @@ def _insert_after_unit_of_work(session: Session, flush_context: object) -> None:
 
 
 def _forget_deferred(session: Session, previous_transaction: SessionTransaction) -> None:
-    """``after_soft_rollback``: the rows kept for after a unit of work are rolled back with
-    the transaction they were staged in: when the flush itself fails (its subtransaction
-    rolls that transaction back), or that transaction or an enclosing one rolls back. A
-    savepoint begun after them and rolled back leaves them be."""
+    """``after_soft_rollback`` and ``after_transaction_end``: the rows kept for after a unit
+    of work go with the transaction they were staged in: when the flush itself fails (its
+    subtransaction rolls that transaction back), or that transaction or an enclosing one
+    rolls back or ends (``close()``; a commit wrote them first: :func:`_insert_left_over`).
+    A savepoint begun after them and ended leaves them be."""
+    if _DEFERRED not in session.info:
+        return
     owner = session.info.get(_DEFERRED_IN)
     chain = []
     while owner is not None:
@@ -585,10 +604,12 @@ def _forget_deferred(session: Session, previous_transaction: SessionTransaction)
 
 def _insert_left_over(session: Session) -> None:
     """``before_commit``: rows kept for a flush whose unit of work then found nothing to do
-    (another ``before_flush`` listener took the rest out) are written now, before the
-    commit, or at the next flush if one comes first (:func:`_insert_staged`). One case can
-    still lose them: a savepoint begun after that flush whose own flush writes them and
-    which then rolls back (it needs a listener emptying our flush first)."""
+    are written now, before the commit, or at the next flush if one comes first
+    (:func:`_insert_staged`). Only a SQLAlchemy whose flush no longer decides as
+    :func:`_unit_of_work_runs` mirrors gets here (no listener runs after ours:
+    :func:`_last_before_flush`; SQLAlchemy is pinned below 2.1); kept as a net so such
+    rows are still written. It cannot catch the commit's own flush, which comes after
+    ``before_commit``."""
     session.info.pop(_DEFERRED_IN, None)
     pending = session.info.pop(_DEFERRED, None)
     if pending:

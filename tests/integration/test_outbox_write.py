@@ -923,37 +923,97 @@ def test_a_partial_flush_writes_the_staged_events(engine: Engine, ledger_tables:
     assert _outbox_ids(engine) == ["92"]
 
 
-def test_events_kept_for_a_unit_of_work_another_listener_emptied_are_written_at_commit(
+def _drop_drafts(session: Session, *_: object) -> None:
+    """A user's ``before_flush`` listener (after ledgerbox's): drafts are never flushed."""
+    for obj in list(session.new):
+        if isinstance(obj, _Ledger) and obj.balance < 0:
+            session.expunge(obj)
+
+
+def _reject_drafts(session: Session, *_: object) -> None:
+    """A user's validating ``before_flush`` listener (after ledgerbox's)."""
+    for obj in session.new:
+        if isinstance(obj, _Ledger) and obj.balance < 0:
+            raise ValueError("negative balance")
+
+
+def test_with_a_listener_after_ledgerboxs_the_events_go_in_before_the_unit_of_work(
     engine: Engine, ledger_tables: None
 ) -> None:
-    """Another ``before_flush`` listener, after ledgerbox's, takes the only other pending
-    object out: the flush runs no unit of work and no ``after_flush``. The events kept for
-    after it are written before the commit, never dropped."""
-
-    def drop_drafts(session: Session, *_: object) -> None:
-        for obj in list(session.new):
-            if isinstance(obj, _Ledger) and obj.balance < 0:
-                session.expunge(obj)
-
-    sa.event.listen(Session, "before_flush", drop_drafts)
-    try:
-        with Session(engine) as session, session.begin():
+    """Another ``before_flush`` listener runs after ledgerbox's: it may take the rest of the
+    flush out or raise, and then no ``after_flush`` comes. So the events are written at once,
+    before the unit of work, in the flush's transaction: never kept past it. Before: kept
+    for an ``after_flush`` that never came, they were dropped by a later savepoint's
+    rollback, written inside a later savepoint, or written by the session's NEXT transaction
+    after a ``close()`` (adversarial review, 2026-12-04)."""
+    with Session(engine) as session:
+        sa.event.listen(session, "before_flush", _drop_drafts)
+        with session.begin():  # an unrelated savepoint rolls back: the outer event stays
             session.add(_Ledger(id=4, balance=-1))  # a draft the listener drops
             WRITER.stage(session, _event(93))
-            session.flush()  # nothing left to flush at the commit: written before it
-        with Session(engine) as session, session.begin():
+            session.flush()
+            with pytest.raises(IntegrityError), session.begin_nested():
+                session.add(_Ledger(id=4, balance=-1))
+                session.execute(sa.text("INSERT INTO write_order_ledger VALUES (7, 0), (7, 0)"))
+        with session.begin():  # a savepoint begun after: its rollback keeps the outer event
             session.add(_Ledger(id=4, balance=-1))
             WRITER.stage(session, _event(94))
             session.flush()
-            WRITER.stage(session, _event(95))  # the commit's flush writes 94, then 95
-        with Session(engine) as session, session.begin():
-            session.add(_Ledger(id=4, balance=-1))
-            WRITER.stage(session, _event(96))
+            nested = session.begin_nested()
+            session.add(_Ledger(id=8, balance=1))
             session.flush()
-            session.begin_nested().rollback()  # a savepoint begun after: 96 is not its own
-    finally:
-        sa.event.remove(Session, "before_flush", drop_drafts)
-    assert _outbox_ids(engine) == ["93", "94", "95", "96"]
+            nested.rollback()
+        session.add(_Ledger(id=4, balance=-1))  # never committed: closed
+        WRITER.stage(session, _event(95))
+        session.flush()
+        session.close()
+        with session.begin():
+            WRITER.stage(session, _event(96))
+    with Session(engine) as session:
+        sa.event.listen(session, "before_flush", _reject_drafts)
+        session.add(_Ledger(id=4, balance=-1))
+        WRITER.stage(session, _event(97))
+        with pytest.raises(ValueError):
+            session.flush()
+        session.close()  # a rejected request: closed, then the session is reused
+        with session.begin():
+            WRITER.stage(session, _event(98))
+        session.add(_Ledger(id=4, balance=-1))
+        WRITER.stage(session, _event(99))
+        with pytest.raises(ValueError):
+            session.flush()
+        session.rollback()
+        with session.begin():
+            WRITER.stage(session, _event(100))
+    assert _outbox_ids(engine) == ["93", "94", "96", "98", "100"]
+
+
+def test_rows_kept_for_a_unit_of_work_that_never_ran_are_still_written_or_dropped_with_it(
+    engine: Engine, ledger_tables: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The net under the prediction: if a flush before the commit's own ever decided
+    otherwise than ``_unit_of_work_runs`` (a SQLAlchemy that changed: pinned < 2.1, whose
+    ``Session._flush`` it mirrors), rows kept for its ``after_flush`` are written before the
+    commit, and dropped with a transaction that ends without committing (``close()``)."""
+    from ledgerbox.outbox import _writer
+
+    monkeypatch.setattr(_writer, "_unit_of_work_runs", lambda session: True)
+    with Session(engine) as session, session.begin():
+        WRITER.stage(session, _event(110))
+        session.flush()  # nothing else to flush: no after_flush, the rows are kept
+    with Session(engine) as session, session.begin():
+        WRITER.stage(session, _event(111))
+        session.flush()
+        WRITER.stage(session, _event(112))
+        session.flush()  # 111 is kept again with 112, in that order; the commit writes both
+    with Session(engine) as session:
+        WRITER.stage(session, _event(113))
+        session.flush()
+        session.close()  # never committed: dropped
+        with session.begin():
+            WRITER.stage(session, _event(114))
+            session.flush()
+    assert _outbox_ids(engine) == ["110", "111", "112", "114"]
 
 
 def test_a_failed_unit_of_work_drops_the_events_kept_for_after_it(
