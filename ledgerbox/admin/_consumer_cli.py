@@ -284,6 +284,14 @@ def lag_command(values: Values, ctx: typer.Context) -> None:
 
     if not values["group"]:
         raise _fail("lag", InvalidFilterError("no consumer group: set --group"))
+    if values["topic"] is not None and not values["topic"].strip(" ,"):
+        raise _fail(
+            "lag",
+            InvalidFilterError(
+                f"the topic filter is empty ({values['topic']!r}; an unset shell variable?): "
+                "give the topics, or leave --topic out (the topics the group committed on)"
+            ),
+        )
     kafka = _kafka("lag", values)
     topics = [t.strip() for t in (values["topic"] or "").split(",") if t.strip()] or None
 

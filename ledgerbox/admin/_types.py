@@ -127,7 +127,17 @@ def _check_url(url: str) -> None:
         ) from None
 
 
-def _check_common(limit: int, older_than_s: float | None) -> None:
+def _check_common(limit: int, older_than_s: float | None, texts: dict[str, str | None]) -> None:
+    for name, value in texts.items():
+        # An empty value is a mistake (an unset shell variable: --error "$ERR"), never a
+        # choice: as a substring it would select every row, as an exact value none.
+        if value == "":
+            flag = "--" + name.replace("_", "-")
+            raise InvalidFilterError(
+                f"the {name} filter is empty ({value!r}; an unset shell variable?): give a "
+                f"value, or leave {flag} out",
+                setting=name,
+            )
     if not 1 <= limit <= MAX_LIMIT:
         raise InvalidFilterError(
             f"limit must be between 1 and {MAX_LIMIT}, not {limit}", setting="limit"
@@ -159,7 +169,8 @@ class DeadFilter(_Json):
     Raises
     ------
     ledgerbox.admin.InvalidFilterError
-        A limit or age out of range (``setting`` names the field).
+        A limit or age out of range, or an empty text filter (``setting`` names
+        the field).
     """
 
     key: str | None = None
@@ -170,7 +181,8 @@ class DeadFilter(_Json):
     limit: int = 100
 
     def __post_init__(self) -> None:
-        _check_common(self.limit, self.older_than_s)
+        texts = {"key": self.key, "event_type": self.event_type, "topic": self.topic}
+        _check_common(self.limit, self.older_than_s, {**texts, "error": self.error})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,7 +212,7 @@ class DlqFilter(_Json):
     Raises
     ------
     ledgerbox.admin.InvalidFilterError
-        An empty topic, a limit or age out of range.
+        An empty topic, an empty text filter, a limit or age out of range.
     """
 
     dlq_topic: str
@@ -215,7 +227,8 @@ class DlqFilter(_Json):
     def __post_init__(self) -> None:
         if not self.dlq_topic:
             raise InvalidFilterError("dlq_topic must not be empty", setting="dlq_topic")
-        _check_common(self.limit, self.older_than_s)
+        texts = {"group": self.group, "key": self.key, "event_type": self.event_type}
+        _check_common(self.limit, self.older_than_s, {**texts, "error": self.error})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

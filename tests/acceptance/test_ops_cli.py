@@ -366,3 +366,53 @@ def test_consumer_lag_of_a_group_that_committed_nothing_is_one_line_and_exit_2(
         ), line
         assert "check the name (the groups on" in line and "give its topics with --topic" in line
         assert result.stdout == ""
+
+
+# -- 7 ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "command", "flag"),
+    [
+        (["relay", "dead", "replay", "--all-matching", "--error", "", "--dry-run"],
+         "relay dead replay", "--error"),
+        (["relay", "dead", "discard", "--all-matching", "--key", ""], "relay dead discard",
+         "--key"),
+        (["relay", "dead", "list", "--topic", ""], "relay dead list", "--topic"),
+        (["consumer", "dlq", "discard", "--all-matching", "--dlq-topic", "orders.dlq",
+          "--error", ""], "consumer dlq discard", "--error"),
+        (["consumer", "dlq", "replay", "--all-matching", "--dlq-topic", "orders.dlq",
+          "--group", "", "--dry-run"], "consumer dlq replay", "--group"),
+        (["consumer", "dlq", "list", "--dlq-topic", "orders.dlq", "--event-type", ""],
+         "consumer dlq list", "--event-type"),
+        (["consumer", "lag", "--group", "billing", "--topic", ""], "consumer lag", "--topic"),
+    ],
+    ids=["dead-replay-error", "dead-discard-key", "dead-list-topic", "dlq-discard-error",
+         "dlq-replay-group", "dlq-list-event-type", "lag-topic"],
+)  # fmt: skip
+def test_an_empty_filter_value_is_refused_and_audits_nothing(
+    args: list[str],
+    command: str,
+    flag: str,
+    database_url: str,
+    engine: Engine,
+    dead: str,
+    kafka_bootstrap: str,
+) -> None:
+    # Before: --error "" (an unset "$ERR" in a script) passed the "--all-matching needs a
+    # filter" guard and, as a substring of every error, selected every dead event (exit 0,
+    # audited); --key "" / --group "" selected nothing.
+    before = _audit_rows(engine)
+    db = [] if command == "consumer lag" else ["--database-url", database_url]
+    result = _cli(*args, *db, env={"KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap})
+    assert result.returncode == 2, result
+    line = _one_line(result)
+    assert line.startswith(f"ledgerbox {command}: the {flag[2:].replace('-', '_')} filter is "
+                           "empty"), line  # fmt: skip
+    assert f"leave {flag} out" in line, line
+    assert _audit_rows(engine) == before
+    with engine.connect() as conn:
+        statuses = conn.execute(
+            sa.text("SELECT DISTINCT status FROM outbox WHERE topic = :t"), {"t": dead}
+        ).scalars()
+        assert set(statuses) == {2}

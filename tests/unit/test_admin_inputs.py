@@ -102,3 +102,19 @@ def _ledgerbox(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=60,
         check=False,
     )
+
+
+@pytest.mark.parametrize("field", ["key", "event_type", "topic", "error"])
+def test_an_empty_text_filter_of_dead_events_is_refused(field: str) -> None:
+    # Before: error="" matched every dead event (a substring of every error), key="" none.
+    with pytest.raises(admin.InvalidFilterError, match=f"the {field} filter is empty") as info:
+        admin.DeadFilter(**{field: ""})
+    assert info.value.setting == field
+    admin.DeadFilter(**{field: " "})  # a value, however odd, is the operator's choice
+
+
+@pytest.mark.parametrize("field", ["group", "key", "event_type", "error"])
+def test_an_empty_text_filter_of_dlq_records_is_refused(field: str) -> None:
+    with pytest.raises(admin.InvalidFilterError, match=f"the {field} filter is empty") as info:
+        admin.DlqFilter(dlq_topic="orders.dlq", **{field: ""})
+    assert info.value.setting == field
