@@ -20,9 +20,7 @@ is scrubbed of every secret in use (:mod:`ledgerbox._core.redaction`).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import signal
-import sys
 from typing import Any
 
 import typer
@@ -34,6 +32,7 @@ from ledgerbox._core.event_loop import EVENT_LOOP_SETTING, runner
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
 from ledgerbox._core.operator_settings import OPERATOR_FILTERS
 from ledgerbox._core.redaction import install_scrub_filter, scrub
+from ledgerbox._core.references import first_line, import_reference
 from ledgerbox._core.settings import (
     CommandSettings,
     Setting,
@@ -146,22 +145,44 @@ def load_consumer(reference: str) -> InboxConsumer:
 
     Raises
     ------
-    typer.BadParameter
-        If the reference is malformed or does not name a consumer.
+    ledgerbox.ConfigurationError
+        ``setting="app"``, one line: the reference is malformed, its module is not found
+        or failed to import, it has no such attribute, the factory failed (other than with
+        a ledgerbox error, which is raised as it is: the consumer's own settings), or it is
+        no consumer (:func:`ledgerbox._core.references.import_reference`).
     """
-    module_name, _, attribute = reference.partition(":")
-    if not module_name or not attribute:
-        raise typer.BadParameter(f"expected module:attribute, got {reference!r}")
-    if "" not in sys.path:
-        sys.path.insert(0, "")  # like `python -m`: the working directory is importable
-    target: Any = importlib.import_module(module_name)
-    for part in attribute.split("."):
-        target = getattr(target, part)
+    target: Any = import_reference(reference, "app")
     if not isinstance(target, InboxConsumer) and callable(target):
-        target = target()
+        try:
+            target = target()
+        except LedgerboxError:
+            raise  # the consumer's own configuration: said by the caller as it is
+        except Exception as exc:
+            raise ConfigurationError(
+                f"app {reference!r}: calling it as a no-argument factory raised "
+                f"{first_line(exc)}: name an InboxConsumer or a factory of one",
+                setting="app",
+            ) from None
     if not isinstance(target, InboxConsumer):
-        raise typer.BadParameter(f"{reference} is not an InboxConsumer nor a factory of one")
+        raise ConfigurationError(
+            f"app {reference!r} is not an InboxConsumer nor a no-argument factory of one "
+            f"(got {type(target).__name__})",
+            setting="app",
+        )
     return target
+
+
+def _load(command: str, values: Values) -> InboxConsumer:
+    """The consumer of ``--app``: a bad reference is one line naming --app and
+    LEDGERBOX_CONSUMER_APP (exit 2); the consumer's own refusal (its config) one line too."""
+    try:
+        return load_consumer(_require_app(values))
+    except ConfigurationError as exc:
+        if exc.setting == "app":
+            CONSUMER_SETTINGS.fail(exc, values)
+        raise _refused(command, exc) from None
+    except LedgerboxError as exc:
+        raise _refused(command, exc) from None
 
 
 async def _run(consumer: InboxConsumer) -> None:
@@ -182,8 +203,8 @@ def run_command(values: Values, ctx: typer.Context) -> None:
         run_loop = runner(values["event_loop"])
     except ConfigurationError as exc:
         CONSUMER_SETTINGS.fail(exc, values)
+    consumer = _load("run", values)
     try:
-        consumer = load_consumer(_require_app(values))
         telemetry.configure(f"ledgerbox-consumer-{consumer.group_id}")  # if OTEL_* asks
         if values["metrics_port"] is not None:
             try:
@@ -215,10 +236,7 @@ def check_command(values: Values, ctx: typer.Context) -> None:
     """Print ok / degraded: cause / down: cause (one line with the fix); exit 0 / 1 / 2.
     With --app (or --group and --topic), then the group's lag per partition."""
     if values["app"] is not None:
-        try:
-            config = load_consumer(values["app"]).config
-        except LedgerboxError as exc:
-            raise _refused("check", exc) from None
+        config = _load("check", values).config
     else:
         for name in ("database_url", "kafka_bootstrap_servers"):
             if values[name] is None:
@@ -275,8 +293,8 @@ def _echo_lag(kafka: KafkaSettings, group: str, topics: list[str] | None) -> Non
 def purge_command(values: Values, ctx: typer.Context) -> None:
     """Delete the group's inbox rows older than the dedup window whose records Kafka can no
     longer redeliver, in small batches."""
+    consumer = _load("purge", values)
     try:
-        consumer = load_consumer(_require_app(values))
 
         async def purge() -> int:
             try:

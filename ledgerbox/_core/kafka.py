@@ -18,10 +18,7 @@ application (a consumer's ``module:attribute``). The guide: docs/security.md.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
 import ssl
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -473,29 +470,21 @@ def resolve_kafka(kafka: KafkaSettings | None, bootstrap_servers: str | None) ->
 
 
 def _import_provider(reference: str) -> AbstractTokenProvider:
+    from ledgerbox._core.references import first_line, import_reference
+
     setting = "kafka_oauth_token_provider"
-    module_name, _, attribute = reference.partition(":")
-    if not module_name or not attribute:
-        raise ConfigurationError(
-            f"kafka_oauth_token_provider must be module:attribute (got {reference!r})",
-            setting=setting,
-        )
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, "")  # like `python -m`: the working directory is importable
-    try:
-        target: Any = importlib.import_module(module_name)
-        for part in attribute.split("."):
-            target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigurationError(
-            f"kafka_oauth_token_provider {reference!r} cannot be imported "
-            f"({type(exc).__name__}: {exc})",
-            setting=setting,
-        ) from None
+    target: Any = import_reference(reference, setting)
     if isinstance(target, type) or (
         not callable(getattr(target, "token", None)) and callable(target)
     ):
-        target = target()  # a class or a factory
+        try:
+            target = target()  # a class or a factory
+        except Exception as exc:
+            raise ConfigurationError(
+                f"kafka_oauth_token_provider {reference!r}: building the provider raised "
+                f"{first_line(exc)}",
+                setting=setting,
+            ) from None
     if not callable(getattr(target, "token", None)):
         raise ConfigurationError(
             f"kafka_oauth_token_provider {reference!r} is not an AbstractTokenProvider "

@@ -5,20 +5,25 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 LEDGERBOX = [sys.executable, "-m", "ledgerbox"]
 
 
-def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _run(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*LEDGERBOX, *args],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, **(env or {})},
+        cwd=cwd,
         check=False,
     )
 
@@ -83,3 +88,42 @@ def test_bad_table_name_is_a_clear_error(database_url: str) -> None:
         "ledgerbox migrate: outbox table 'Bad-Name' is not a valid SQL identifier: use "
         "[a-z_][a-z0-9_]*, at most 63 chars; set --outbox-table or LEDGERBOX_MIGRATE_OUTBOX_TABLE"
     ]
+
+
+def _one_line(result: subprocess.CompletedProcess[str]) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["run", "check", "purge"])
+@pytest.mark.parametrize(
+    ("app", "cause"),
+    [
+        ("nosuch.module:x", "(ModuleNotFoundError: No module named 'nosuch'): check the module"),
+        ("json:nosuch", "(AttributeError: json has no attribute 'nosuch')"),
+        ("json", "app must be module:attribute (got 'json')"),
+        ("json:dumps", "calling it as a no-argument factory raised TypeError: "),
+        ("json:__name__", "is not an InboxConsumer nor a no-argument factory of one (got str)"),
+        ("buggy_app:consumer", "its module's own code raised NameError: name 'undefined_name'"),
+        ("broken_dep:consumer", "its module's own code raised ModuleNotFoundError: No module"),
+    ],
+    ids=["no-module", "no-attribute", "no-colon", "factory-fails", "not-a-consumer",
+         "module-bug", "module-missing-dependency"],
+)  # fmt: skip
+def test_a_consumer_app_that_cannot_be_loaded_is_one_line_naming_the_setting(
+    command: str, app: str, cause: str, tmp_path: Path
+) -> None:
+    # Before: a 40-50 line traceback, exit 1 (load_consumer caught only a missing colon,
+    # which was a 5-line usage box).
+    (tmp_path / "buggy_app.py").write_text("consumer = undefined_name\n")
+    (tmp_path / "broken_dep.py").write_text("import not_installed_anywhere\n")
+    result = _run(
+        "consumer", command, "--app", app, env={"PYTHONPATH": str(tmp_path)}, cwd=tmp_path
+    )
+    assert result.returncode == 2, result
+    line = _one_line(result)
+    assert line.startswith("ledgerbox consumer: app "), line
+    assert cause in line, line
+    assert line.endswith("; set --app or LEDGERBOX_CONSUMER_APP"), line
