@@ -127,3 +127,20 @@ def test_a_consumer_app_that_cannot_be_loaded_is_one_line_naming_the_setting(
     assert line.startswith("ledgerbox consumer: app "), line
     assert cause in line, line
     assert line.endswith("; set --app or LEDGERBOX_CONSUMER_APP"), line
+
+
+def test_a_consumer_config_refused_while_the_app_module_is_imported_is_said_as_it_is(
+    tmp_path: Path,
+) -> None:
+    # The module builds its ConsumerConfig at import: its refusal already names the setting.
+    (tmp_path / "bad_config.py").write_text(
+        "from ledgerbox.inbox import ConsumerConfig\n"
+        "config = ConsumerConfig(group_id='g', topics=['t'], database_url='nonsense',"
+        " kafka_bootstrap_servers='127.0.0.1:9092')\n"
+    )
+    result = _run(
+        "consumer", "check", "--app", "bad_config:config", env={"PYTHONPATH": str(tmp_path)}
+    )
+    assert result.returncode == 2, result
+    line = _one_line(result)
+    assert line.startswith("ledgerbox consumer check: database_url is not a PostgreSQL URL"), line
