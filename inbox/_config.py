@@ -13,6 +13,7 @@ from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import inbox_table_name, named, sql_identifier
 from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
 from ledgerbox._core.redaction import remember_url
+from ledgerbox._core.redis_url import check_redis_url
 
 __all__ = ["DEFAULT_RETENTION_S", "STOP_TIMEOUT_S", "ConsumerConfig", "OnUnhandled"]
 
@@ -54,7 +55,8 @@ class ConsumerConfig:
     redis_url : str | None
         ``redis://...`` for the fast path (dedup hint, aggregate locks); ``None``: DB only.
         ``redis://user:password@host:6379/0`` logs in with an ACL user (or ``:password@``
-        with ``requirepass``); ``rediss://`` is TLS.
+        with ``requirepass``); ``rediss://`` is TLS. One that can never work (another
+        scheme, a port outside 1..65535, a database that is not an integer) is refused here.
     redis_ssl_cafile : str | None
         PEM file of the CA that signed the Redis server's certificate, for ``rediss://``;
         ``None``: the system's CAs.
@@ -191,6 +193,8 @@ class ConsumerConfig:
         remember_url(self.database_url)
         remember_url(self.redis_url)
         check_database_url(self.database_url, reader="sqlalchemy")  # never connects: not waited for
+        if self.redis_url is not None:
+            check_redis_url(self.redis_url)  # a Redis that is down is not found here
         object.__setattr__(self, "_kafka", resolve_kafka(self.kafka, self.kafka_bootstrap_servers))
         if self.redis_ssl_cafile is not None:
             if self.redis_url is None or not self.redis_url.startswith("rediss://"):

@@ -144,3 +144,20 @@ def test_a_consumer_config_refused_while_the_app_module_is_imported_is_said_as_i
     assert result.returncode == 2, result
     line = _one_line(result)
     assert line.startswith("ledgerbox consumer check: database_url is not a PostgreSQL URL"), line
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://:hunter2@127.0.0.1:70000/0", "http://127.0.0.1:6380/0"], ids=["port", "http"]
+)
+def test_consumer_check_refuses_a_redis_url_that_can_never_work_with_exit_2(url: str) -> None:
+    # Before: a ValueError traceback, exit 1 ("degraded" for `check`).
+    result = _run(
+        "consumer", "check", "--redis-url", url,
+        "--database-url", "postgresql+psycopg://u@127.0.0.1:1/x",
+        "--kafka-bootstrap-servers", "127.0.0.1:1",
+    )  # fmt: skip
+    assert result.returncode == 2, result
+    line = _one_line(result)
+    assert line.startswith("ledgerbox consumer: redis_url "), line
+    assert line.endswith("; set --redis-url, LEDGERBOX_CONSUMER_REDIS_URL or REDIS_URL"), line
+    assert "hunter2" not in result.stderr + result.stdout
