@@ -46,7 +46,8 @@ class RelayConfig:
         TLS settings go in its query and reach libpq as they are (``?sslmode=verify-full&
         sslrootcert=/etc/ssl/db-ca.pem``; docs/security.md). Its password is never logged.
     kafka_bootstrap_servers : str
-        ``host:port[,host:port]``. Alone it means PLAINTEXT; ``kafka`` adds TLS and a login.
+        ``host:port[,host:port]`` (9092 when a port is left out; a malformed address is
+        refused). Alone it means PLAINTEXT; ``kafka`` adds TLS and a login.
     kafka : KafkaSettings | None
         Where Kafka is and how to log in (TLS, SASL; docs/security.md); ``None``:
         ``kafka_bootstrap_servers`` in PLAINTEXT. Give one of the two (both only if their

@@ -7,4 +7,4 @@ from __future__ import annotations
 __all__ = ["UNUSED_KAFKA"]
 
 #: A Kafka address the database-only commands never connect to.
-UNUSED_KAFKA = "unused-by-database-commands:0"
+UNUSED_KAFKA = "unused-by-database-commands:9092"

@@ -18,6 +18,8 @@ application (a consumer's ``module:attribute``). The guide: docs/security.md.
 from __future__ import annotations
 
 import dataclasses
+import re
+import socket
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from ledgerbox._core.settings import Setting
 
 __all__ = [
+    "DEFAULT_PORT",
     "KAFKA_SETTING_NAMES",
     "SASL_MECHANISMS",
     "SECURITY_PROTOCOLS",
@@ -40,6 +43,7 @@ __all__ = [
     "SaslMechanism",
     "SecurityProtocol",
     "cli_settings",
+    "parse_server",
     "resolve_kafka",
 ]
 
@@ -59,7 +63,8 @@ class KafkaSettings:
     Parameters
     ----------
     bootstrap_servers : str
-        ``host:port[,host:port]``.
+        ``host:port[,host:port]``; a server without a port is on :data:`DEFAULT_PORT`
+        (9092), as in every Kafka client; a malformed one is refused (:func:`parse_server`).
     security_protocol : "PLAINTEXT" | "SSL" | "SASL_PLAINTEXT" | "SASL_SSL"
         Kafka's ``security.protocol`` (default ``PLAINTEXT``). ``SSL``: TLS, optionally with
         a client certificate (mTLS); ``SASL_SSL``: TLS and a SASL login (managed Kafka:
@@ -114,6 +119,9 @@ class KafkaSettings:
         servers = [s.strip() for s in (self.bootstrap_servers or "").split(",")]
         if not any(servers):
             raise _bad("bootstrap_servers", "must not be empty")
+        for server in servers:
+            if server:
+                parse_server(server)  # a malformed address: refused here, once
         object.__setattr__(self, "bootstrap_servers", ",".join(s for s in servers if s))
         protocol = self.security_protocol
         if protocol not in SECURITY_PROTOCOLS:
@@ -262,17 +270,9 @@ class KafkaSettings:
         return f"{self.bootstrap_servers} ({', '.join(how)})"
 
     def hosts(self) -> list[tuple[str, int]]:
-        """``(host, port)`` of each bootstrap server (port 9092 when none is given)."""
-        out: list[tuple[str, int]] = []
-        for item in self.bootstrap_servers.split(","):
-            host, sep, port = item.strip().rpartition(":")
-            if not sep:
-                host, port = port, "9092"
-            try:
-                out.append((host.strip("[]"), int(port)))
-            except ValueError:
-                continue
-        return out
+        """``(host, port)`` of each bootstrap server (:func:`parse_server`: port
+        :data:`DEFAULT_PORT` when none is given)."""
+        return [parse_server(item) for item in self.bootstrap_servers.split(",")]
 
     def with_bootstrap(self, bootstrap_servers: str) -> KafkaSettings:
         """The same login against other bootstrap servers."""
@@ -493,6 +493,61 @@ def _import_provider(reference: str) -> AbstractTokenProvider:
         )
     provider: AbstractTokenProvider = target
     return provider
+
+
+#: The port of a bootstrap server given without one (``kafka1`` is ``kafka1:9092``), as
+#: aiokafka and the other Kafka clients default it.
+DEFAULT_PORT = 9092
+
+_HOST = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
+
+
+def parse_server(server: str) -> tuple[str, int]:
+    """``(host, port)`` of one bootstrap server, by aiokafka's rules: ``host``, ``host:port``,
+    ``[ipv6]``, ``[ipv6]:port`` or a bare IPv6 literal; no port means :data:`DEFAULT_PORT`.
+
+    Raises
+    ------
+    ledgerbox.ConfigurationError
+        ``setting="bootstrap_servers"``: not one of those forms (``bogus:host:x``, a URL), a
+        host name with characters no host name has, or a port that is not an integer in
+        1..65535. (Before, aiokafka raised ``ValueError`` or ``OverflowError`` from inside
+        every command and the relay stayed up reporting "down".)
+    """
+    item = server.strip()
+    host, port = item, str(DEFAULT_PORT)
+    if item.startswith("["):
+        inside, closed, rest = item[1:].partition("]")
+        host = inside
+        if not closed or not _ipv6(inside) or (rest and not rest.startswith(":")):
+            raise _bad_server(server)
+        if rest:
+            port = rest[1:]
+    elif ":" in item and not _ipv6(item):
+        host, _, port = item.rpartition(":")
+        if ":" in host:
+            raise _bad_server(server)
+    if not (_ipv6(host) or _HOST.match(host)):
+        raise _bad_server(server)
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise _bad_server(server)
+    return host, int(port)
+
+
+def _ipv6(text: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6, text)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _bad_server(server: str) -> ConfigurationError:
+    return _bad(
+        "bootstrap_servers",
+        f"has {server.strip()!r}, not host[:port] (a port is an integer in 1..65535, "
+        f"{DEFAULT_PORT} when left out; IPv6: [::1]:9092)",
+    )
 
 
 def _why(exc: BaseException) -> str:

@@ -74,15 +74,7 @@ async def probe_kafka(settings: KafkaSettings, timeout_s: float = 10.0) -> Kafka
         Bound of each server's attempt, in seconds.
     """
     found: list[KafkaProblem] = []
-    hosts = settings.hosts()
-    if not hosts:
-        return KafkaProblem(
-            True,
-            "Unreachable",
-            f"kafka bootstrap servers {settings.bootstrap_servers!r} name no host:port: "
-            "fix kafka_bootstrap_servers",
-        )
-    for host, port in hosts:
+    for host, port in settings.hosts():  # well-formed: KafkaSettings refused any other
         problem = await _probe_one(settings, host, port, timeout_s)
         if problem is None:
             return None

@@ -26,7 +26,16 @@ from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings
 from ledgerbox._core.operator_settings import OPERATOR_SWITCHES
 from ledgerbox._core.settings import Values
-from ledgerbox.admin._output import database, fail, log_actions, print_json, run, short, table
+from ledgerbox.admin._output import (
+    database,
+    fail,
+    log_actions,
+    print_json,
+    run,
+    setting_problem,
+    short,
+    table,
+)
 from ledgerbox.inbox._cli import CONSUMER_SETTINGS
 from ledgerbox.inbox._cli import app as consumer_app
 
@@ -73,10 +82,10 @@ def _kafka(command: str, values: Values) -> KafkaSettings:
     try:
         return KafkaSettings.from_values(values, bootstrap_servers=servers)
     except ConfigurationError as exc:
-        raise _fail(command, exc) from None
+        raise _fail(command, setting_problem(exc, CONSUMER_SETTINGS)) from None
 
 
-def _fail(command: str, exc: BaseException) -> typer.Exit:
+def _fail(command: str, exc: BaseException | str) -> typer.Exit:
     return fail(f"ledgerbox consumer {command}", exc)
 
 

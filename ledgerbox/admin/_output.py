@@ -28,6 +28,7 @@ __all__ = [
     "print_json",
     "quiet_kafka_client",
     "run",
+    "setting_problem",
     "short",
     "table",
 ]
@@ -95,12 +96,18 @@ def database(
             **{name: values[name] or default for name, default in tables.items()},
         )
     except ConfigurationError as exc:
-        name = exc.setting
-        if settings is not None and name is not None and name in settings.settings:
-            raise fail(command, f"{exc}; set {settings.where(name)}") from None
-        raise fail(command, exc) from None
+        raise fail(command, setting_problem(exc, settings)) from None
     except LedgerboxError as exc:
         raise fail(command, exc) from None
+
+
+def setting_problem(exc: ConfigurationError, settings: CommandSettings | None) -> str:
+    """``"<exc>; set <flag> or <variables>"`` when ``exc.setting`` is one of ``settings``
+    (the command's), else ``exc`` as it is: the one line names how to fix it."""
+    name = exc.setting
+    if settings is not None and name is not None and name in settings.settings:
+        return f"{exc}; set {settings.where(name)}"
+    return str(exc)
 
 
 def print_json(value: Any) -> None:

@@ -161,3 +161,39 @@ def test_consumer_check_refuses_a_redis_url_that_can_never_work_with_exit_2(url:
     assert line.startswith("ledgerbox consumer: redis_url "), line
     assert line.endswith("; set --redis-url, LEDGERBOX_CONSUMER_REDIS_URL or REDIS_URL"), line
     assert "hunter2" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("servers", ["127.0.0.1:70000", "bogus:host:x"], ids=["port", "colons"])
+@pytest.mark.parametrize(
+    ("args", "command", "prefix"),
+    [
+        (["relay", "run"], "relay", "RELAY"),
+        (["relay", "check"], "relay", "RELAY"),
+        (["consumer", "check"], "consumer", "CONSUMER"),
+        (["consumer", "lag", "--group", "g"], "consumer lag", "CONSUMER"),
+        (["consumer", "dlq", "list", "--dlq-topic", "o.dlq"], "consumer dlq list", "CONSUMER"),
+        (["consumer", "dlq", "replay", "o.dlq:0:0"], "consumer dlq replay", "CONSUMER"),
+        (["console"], "console", "CONSOLE"),
+    ],
+    ids=["relay-run", "relay-check", "consumer-check", "lag", "dlq-list", "dlq-replay",
+         "console"],
+)  # fmt: skip
+def test_a_malformed_kafka_address_is_refused_by_every_command_naming_the_setting(
+    servers: str, args: list[str], command: str, prefix: str
+) -> None:
+    # Before: OverflowError / ValueError tracebacks (exit 1) from relay check, consumer check,
+    # lag, dlq list; `relay run` stayed up reporting "down".
+    env = {
+        "KAFKA_BOOTSTRAP_SERVERS": servers,
+        "DATABASE_URL": "postgresql+psycopg://u@127.0.0.1:1/x",
+    }
+    result = _run(*args, env=env)
+    assert result.returncode == 2, result
+    line = _one_line(result)
+    assert line.startswith(
+        f"ledgerbox {command}: kafka bootstrap_servers has {servers!r}, not host[:port]"
+    ), line
+    assert line.endswith(
+        f"; set --kafka-bootstrap-servers, LEDGERBOX_{prefix}_KAFKA_BOOTSTRAP_SERVERS or "
+        "KAFKA_BOOTSTRAP_SERVERS"
+    ), line

@@ -469,3 +469,34 @@ def test_consumer_check_takes_the_kafka_flags(
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert seen[0].kafka_settings.sasl_password == Secret(PASSWORD)
+
+
+@pytest.mark.parametrize(
+    ("servers", "hosts"),
+    [
+        ("k1:9094,k2:9095", [("k1", 9094), ("k2", 9095)]),
+        ("k1", [("k1", 9092)]),  # no port: 9092, as aiokafka and every Kafka client
+        ("[::1]:9093,[::1],::1", [("::1", 9093), ("::1", 9092), ("::1", 9092)]),
+        ("10.0.0.7:1, broker_2.example-net:65535", [("10.0.0.7", 1), ("broker_2.example-net", 65535)]),
+    ],
+)  # fmt: skip
+def test_bootstrap_servers_are_read_by_the_kafka_clients_rules(
+    servers: str, hosts: list[tuple[str, int]]
+) -> None:
+    assert KafkaSettings(bootstrap_servers=servers).hosts() == hosts
+
+
+@pytest.mark.parametrize(
+    "servers",
+    ["127.0.0.1:70000", "k:0", "bogus:host:x", "k:x", "k:", "http://k:9092", "k1:9092,k 2:9092",
+     "[::1", "[zz]:9092", "[::1]x", "-k:9092"],
+)  # fmt: skip
+def test_a_malformed_bootstrap_server_is_refused_when_the_settings_are_built(servers: str) -> None:
+    # Before: accepted here; aiokafka then raised OverflowError/ValueError inside every
+    # command (a traceback) and `relay run` stayed up reporting "down".
+    with pytest.raises(ConfigurationError, match=r"not host\[:port\]") as info:
+        KafkaSettings(bootstrap_servers=servers)
+    assert info.value.setting == "bootstrap_servers"
+    with pytest.raises(ConfigurationError, match=r"not host\[:port\]") as info:
+        RelayConfig(database_url="postgresql://h/db", kafka_bootstrap_servers=servers)
+    assert info.value.setting == "kafka_bootstrap_servers"
