@@ -62,7 +62,7 @@ def check_redis_url(url: str, setting: str = "redis_url") -> None:
     from redis.connection import parse_url  # the client's own reading of the query
 
     try:
-        parse_url(url)
+        parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError:
         raise ConfigurationError(
             f"{setting} does not parse as a Redis URL (a misspelt query parameter or a bad "

@@ -477,7 +477,7 @@ def test_consumer_check_takes_the_kafka_flags(
         ("k1:9094,k2:9095", [("k1", 9094), ("k2", 9095)]),
         ("k1", [("k1", 9092)]),  # no port: 9092, as aiokafka and every Kafka client
         ("[::1]:9093,[::1],::1", [("::1", 9093), ("::1", 9092), ("::1", 9092)]),
-        ("10.0.0.7:1, broker_2.example-net:65535", [("10.0.0.7", 1), ("broker_2.example-net", 65535)]),
+        ("10.0.0.7:1, b_2.example-net:65535", [("10.0.0.7", 1), ("b_2.example-net", 65535)]),
     ],
 )  # fmt: skip
 def test_bootstrap_servers_are_read_by_the_kafka_clients_rules(
