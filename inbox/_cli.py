@@ -26,6 +26,7 @@ from typing import Any
 import typer
 
 from ledgerbox._core import telemetry
+from ledgerbox._core.durations import check_duration
 from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.event_loop import EVENT_LOOP_SETTING, runner
@@ -293,6 +294,11 @@ def _echo_lag(kafka: KafkaSettings, group: str, topics: list[str] | None) -> Non
 def purge_command(values: Values, ctx: typer.Context) -> None:
     """Delete the group's inbox rows older than the dedup window whose records Kafka can no
     longer redeliver, in small batches."""
+    if values["older_than_s"] is not None:
+        try:  # inf, nan, 1e300: refused before the app is loaded, naming the flag
+            check_duration(values["older_than_s"], "older_than_s")
+        except ConfigurationError as exc:
+            CONSUMER_SETTINGS.fail(exc, values)
     consumer = _load("purge", values)
     try:
 

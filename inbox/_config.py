@@ -9,6 +9,7 @@ from typing import Literal
 
 from ledgerbox._core.backoff import Backoff
 from ledgerbox._core.database_url import check_database_url
+from ledgerbox._core.durations import check_duration
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import inbox_table_name, named, sql_identifier
 from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
@@ -216,19 +217,27 @@ class ConsumerConfig:
             named(sql_identifier, self.schema, "schema", "schema")
         positive = {
             "max_attempts": self.max_attempts,
-            "dedup_ttl_s": self.dedup_ttl_s,
             "lock_ttl_ms": self.lock_ttl_ms,
-            "retention_s": self.retention_s,
-            "redis_timeout_s": self.redis_timeout_s,
-            "redis_probe_interval_s": self.redis_probe_interval_s,
             "commit_interval_ms": self.commit_interval_ms,
             "max_buffered_records": self.max_buffered_records,
             "batch_max_records": self.batch_max_records,
-            "stop_timeout_s": self.stop_timeout_s,
         }
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {value}")
+        # Every duration: finite, in its range (inf/nan parse as floats; a huge one overflows
+        # the intervals PostgreSQL adds to now() and Redis' TTLs).
+        for name in (
+            "dedup_ttl_s",
+            "retention_s",
+            "offset_retention_s",
+            "retry_base_s",
+            "retry_max_s",
+            "redis_timeout_s",
+            "redis_probe_interval_s",
+            "stop_timeout_s",
+        ):
+            check_duration(getattr(self, name), name, low_open=True)
         if self.in_progress_ttl_ms is not None and self.in_progress_ttl_ms <= 0:
             raise ConfigurationError("in_progress_ttl_ms must be > 0 or None")
         if self.lock_wait_ms is not None and self.lock_wait_ms < 0:
@@ -240,10 +249,6 @@ class ConsumerConfig:
         object.__setattr__(self, "_backoff", Backoff(self.retry_base_s, self.retry_max_s))
         if self.assignment is not None:
             object.__setattr__(self, "assignment", tuple((t, int(p)) for t, p in self.assignment))
-        if self.offset_retention_s <= 0:
-            raise ConfigurationError(
-                f"offset_retention_s must be > 0, got {self.offset_retention_s}"
-            )
         if self.retention_s < self.offset_retention_s:
             raise ConfigurationError(
                 f"inbox retention_s={self.retention_s:g} is shorter than the group's "

@@ -29,6 +29,7 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ledgerbox._core.database_url import connect_args
+from ledgerbox._core.durations import check_duration
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.faults import PermanentVerdict
 from ledgerbox._core.stop import StopSignal
@@ -335,13 +336,15 @@ class InboxConsumer:
         Raises
         ------
         ledgerbox.ConfigurationError
-            If ``older_than_s`` is inside the dedup window.
+            If ``older_than_s`` is inside the dedup window, or not a finite number of seconds
+            of at most 10 years (``setting="older_than_s"``).
         ledgerbox.BrokerError
             If Kafka cannot say the committed offsets (nothing is deleted).
         ledgerbox.DatabaseError
             If a delete failed (the batches before it stay deleted).
         """
         age_s = self.config.retention_s if older_than_s is None else older_than_s
+        check_duration(age_s, "older_than_s")  # inf, nan, 1e300: no interval PostgreSQL holds
         if age_s < self.config.retention_s:
             raise ConfigurationError(
                 f"purge older_than_s={age_s:g} is inside the dedup window "

@@ -33,6 +33,7 @@ import typer
 
 from ledgerbox._core import telemetry
 from ledgerbox._core.database_url import database_label, database_remedy
+from ledgerbox._core.durations import check_duration
 from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, DatabaseError, LedgerboxError
 from ledgerbox._core.event_loop import EVENT_LOOP_SETTING, loop_name, runner
@@ -325,6 +326,10 @@ def rebase(values: Values, ctx: typer.Context) -> None:
     cursor had not passed, or created after its last persist minus --margin-s, is published
     again, once, in per-key id order (docs/relay.md, 'Restore and rebase')."""
     config = _database_config(values)
+    try:
+        check_duration(values["margin_s"], "margin_s")  # -5, 1e300: refused, not run
+    except ConfigurationError as exc:
+        RELAY_SETTINGS.fail(exc, values)
 
     async def go() -> int:
         store = pg_store_factory(config)("rebase")

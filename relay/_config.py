@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ledgerbox._core.database_url import check_database_url, libpq_url
+from ledgerbox._core.durations import check_duration
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import (
     named,
@@ -30,6 +31,9 @@ STOP_TIMEOUT_S = 8.0
 
 Compression = Literal["lz4", "zstd", "gzip", "snappy", "none"]
 OnDeadLetter = Literal["hold", "skip"]
+
+#: Largest ``request_timeout_ms``: Kafka's requests carry their timeout as an int32.
+INT32_MAX = 2**31 - 1
 
 _COMPRESSIONS = ("lz4", "zstd", "gzip", "snappy", "none")
 _ON_DEAD_LETTER = ("hold", "skip")
@@ -121,10 +125,12 @@ class RelayConfig:
     Raises
     ------
     ledgerbox.ConfigurationError
-        If a value is out of range or a name is not a SQL identifier; its ``setting`` names
-        the field. A ``database_url`` that can never connect (not PostgreSQL, libpq cannot
-        parse it, a port outside 1..65535) is refused here, not retried; a database server
-        that is down is waited for (:mod:`ledgerbox._core.database_url`).
+        If a value is out of range (every duration: a finite number of seconds, at most
+        10 years: :func:`ledgerbox._core.durations.check_duration`) or a name is not a SQL
+        identifier; its ``setting`` names the field. A ``database_url`` that can never
+        connect (not PostgreSQL, libpq cannot parse it, a port outside 1..65535) is refused
+        here, not retried; a database server that is down is waited for
+        (:mod:`ledgerbox._core.database_url`).
     """
 
     # repr=False: a config in a log line or a traceback must not show the URL's password.
@@ -173,26 +179,33 @@ class RelayConfig:
         )
         _check(1 <= self.batch_size <= 100_000, "batch_size", "must be in 1..100000")
         _check(1 <= self.lanes <= 64, "lanes", "must be in 1..64")
-        _check(self.poll_interval_s > 0, "poll_interval_s", "must be > 0")
-        _check(self.lease_ttl_s > 0, "lease_ttl_s", "must be > 0")
-        _check(
-            0 < self.heartbeat_interval_s <= self.lease_ttl_s / 2,
+        # Every duration: finite, in its range (inf/nan parse as floats: a relay that never
+        # polls, never renews; a huge one overflows datetime and PostgreSQL intervals).
+        check_duration(self.poll_interval_s, "poll_interval_s", low_open=True)
+        check_duration(self.lease_ttl_s, "lease_ttl_s", low_open=True)
+        check_duration(
+            self.heartbeat_interval_s,
             "heartbeat_interval_s",
-            "must be in (0, lease_ttl_s / 2]",
+            low_open=True,
+            high=self.lease_ttl_s / 2,
         )
         _check(self.compression in _COMPRESSIONS, "compression", f"must be one of {_COMPRESSIONS}")
         _check(self.on_dead_letter in _ON_DEAD_LETTER, "on_dead_letter", "must be 'hold' or 'skip'")
-        _check(self.retention_s >= 0, "retention_s", "must be >= 0")
+        check_duration(self.retention_s, "retention_s")
         _check(1 <= self.shard_count <= 32767, "shard_count", "must be in 1..32767")
         _check(0 <= self.claim_linger_ms <= 50, "claim_linger_ms", "must be in 0..50")
         _check(0 <= self.linger_ms <= 10_000, "linger_ms", "must be in 0..10000")
         _check(self.producer_batch_bytes >= 1024, "producer_batch_bytes", "must be >= 1024")
-        _check(self.request_timeout_ms >= 1000, "request_timeout_ms", "must be >= 1000")
-        _check(self.cleanup_interval_s > 0, "cleanup_interval_s", "must be > 0")
+        _check(
+            1000 <= self.request_timeout_ms <= INT32_MAX,  # Kafka's int32 milliseconds
+            "request_timeout_ms",
+            f"must be in 1000..{INT32_MAX}",
+        )
+        check_duration(self.cleanup_interval_s, "cleanup_interval_s", low_open=True)
         _check(1 <= self.cleanup_batch_size <= 100_000, "cleanup_batch_size", "must be 1..100000")
-        _check(self.cleanup_pause_s >= 0, "cleanup_pause_s", "must be >= 0")
-        _check(self.backoff_max_s >= 0.1, "backoff_max_s", "must be >= 0.1")
-        _check(0 < self.stop_timeout_s <= 600, "stop_timeout_s", "must be in (0, 600]")
+        check_duration(self.cleanup_pause_s, "cleanup_pause_s")
+        check_duration(self.backoff_max_s, "backoff_max_s", low=0.1)
+        check_duration(self.stop_timeout_s, "stop_timeout_s", low_open=True, high=600.0)
         if self.relay_id is not None:
             _check(0 < len(self.relay_id) <= 200, "relay_id", "must have 1..200 characters")
         resolved = self.relay_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

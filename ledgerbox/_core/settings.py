@@ -281,6 +281,8 @@ class CommandSettings:
             )
             s = self.settings[name]
             kind = {int: "an integer", float: "a number"}.get(s.type, "text")
+            if first["type"] == "finite_number":  # inf, nan
+                kind = "a finite number"
             source = "" if flags is not None else f" from {key}"
             shown = "" if s.secret else f" (got {first.get('input')!r}{source})"
             raise SettingsError(f"{name} must be {kind}{shown}", setting=name) from None
@@ -515,11 +517,17 @@ def _model(settings: CommandSettings, names: tuple[str, ...], *, from_env: bool)
     fields: dict[str, Any] = {}
     for name in names:
         s = settings.settings[name]
+        # A number setting is finite: "inf" and "nan" parse as floats, and no setting means
+        # them (a duration of inf: a relay that never polls; docs/configuration.md).
+        finite: dict[str, Any] = {"allow_inf_nan": False} if s.type is float else {}
         if from_env:
             aliases = AliasChoices(*settings._all_env(name))
-            fields[_FIELD + name] = (s.type | None, Field(default=None, validation_alias=aliases))
+            fields[_FIELD + name] = (
+                s.type | None,
+                Field(default=None, validation_alias=aliases, **finite),
+            )
         else:
-            fields[_FIELD + name] = (s.type | None, None)
+            fields[_FIELD + name] = (s.type | None, Field(default=None, **finite))
     base: type[Any] = _EnvBase if from_env else _FlagBase
     model_name = f"{settings.command}_{'env' if from_env else 'flags'}"
     return pydantic.create_model(model_name, __base__=base, **fields)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import getpass
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from ledgerbox._core.database_url import check_database_url, database_label
+from ledgerbox._core.durations import check_duration
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import check_service_names
 from ledgerbox.admin._errors import InvalidFilterError
@@ -142,11 +142,8 @@ def _check_common(limit: int, older_than_s: float | None, texts: dict[str, str |
         raise InvalidFilterError(
             f"limit must be between 1 and {MAX_LIMIT}, not {limit}", setting="limit"
         )
-    if older_than_s is not None and not 0 <= older_than_s < math.inf:
-        raise InvalidFilterError(
-            f"older_than_s must be >= 0 seconds and finite, not {older_than_s}",
-            setting="older_than_s",
-        )
+    if older_than_s is not None:
+        check_duration(older_than_s, "older_than_s", error=InvalidFilterError)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
