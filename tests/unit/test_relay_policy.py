@@ -155,6 +155,7 @@ def test_config_defaults_and_url_conversion() -> None:
         {"shard_count": 0},
         {"lanes": 0},
         {"lanes": 65},
+        {"request_timeout_ms": 2**31},  # Kafka carries it as an int32
     ],
 )
 def test_config_rejects_bad_values(bad: dict[str, object]) -> None:
