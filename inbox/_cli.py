@@ -27,7 +27,7 @@ import typer
 
 from ledgerbox._core import telemetry
 from ledgerbox._core.durations import check_duration
-from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
+from ledgerbox._core.endpoint import DEFAULT_HOST, check_port, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.event_loop import EVENT_LOOP_SETTING, runner
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
@@ -74,7 +74,11 @@ CONSUMER_SETTINGS = CommandSettings(
         ),
         Setting("log_level", str, default="INFO", help="Logging level (DEBUG, INFO, WARNING)"),
         EVENT_LOOP_SETTING,
-        Setting("metrics_port", int, help="Serve Prometheus metrics on this port (unset: off)"),
+        Setting(
+            "metrics_port",
+            int,
+            help="Serve Prometheus metrics on this port (1..65535; unset or 0: off)",
+        ),
         Setting(
             "metrics_host",
             str,
@@ -202,12 +206,14 @@ def run_command(values: Values, ctx: typer.Context) -> None:
     install_scrub_filter()
     try:
         run_loop = runner(values["event_loop"])
+        if values["metrics_port"] is not None:
+            check_port(values["metrics_port"], "metrics_port", zero="off")
     except ConfigurationError as exc:
         CONSUMER_SETTINGS.fail(exc, values)
     consumer = _load("run", values)
     try:
         telemetry.configure(f"ledgerbox-consumer-{consumer.group_id}")  # if OTEL_* asks
-        if values["metrics_port"] is not None:
+        if values["metrics_port"]:
             try:
                 serve_metrics(values["metrics_port"], values["metrics_host"])
             except ConfigurationError as exc:

@@ -34,7 +34,7 @@ import typer
 from ledgerbox._core import telemetry
 from ledgerbox._core.database_url import database_label, database_remedy
 from ledgerbox._core.durations import check_duration
-from ledgerbox._core.endpoint import DEFAULT_HOST, serve_metrics
+from ledgerbox._core.endpoint import DEFAULT_HOST, check_port, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, DatabaseError, LedgerboxError
 from ledgerbox._core.event_loop import EVENT_LOOP_SETTING, loop_name, runner
 from ledgerbox._core.faults import PermanentVerdict
@@ -86,7 +86,10 @@ RELAY_SETTINGS = CommandSettings(
         ),
         *cli_settings(),
         Setting(
-            "metrics_port", int, default=0, help="Serve Prometheus metrics on this port (0: off)"
+            "metrics_port",
+            int,
+            default=0,
+            help="Serve Prometheus metrics on this port (1..65535; 0: off)",
         ),
         Setting(
             "metrics_host",
@@ -144,6 +147,10 @@ def run(values: Values, ctx: typer.Context) -> None:
     configure_logging(RELAY_SETTINGS, values["log_level"])
     install_scrub_filter()
     config = _config(values)
+    try:
+        check_port(values["metrics_port"], "metrics_port", zero="off")
+    except ConfigurationError as exc:
+        RELAY_SETTINGS.fail(exc, values)
     try:
         telemetry.configure("ledgerbox-relay")  # spans only if OTEL_* asks for them
     except ConfigurationError as exc:

@@ -14,7 +14,7 @@ import logging
 
 from ledgerbox._core.errors import ConfigurationError
 
-__all__ = ["DEFAULT_HOST", "is_loopback", "needs_token", "serve_metrics"]
+__all__ = ["DEFAULT_HOST", "check_port", "is_loopback", "needs_token", "serve_metrics"]
 
 #: Where an endpoint listens unless told otherwise.
 DEFAULT_HOST = "127.0.0.1"
@@ -38,6 +38,31 @@ def needs_token(host: str) -> bool:
     return not is_loopback(host)
 
 
+def check_port(port: int, setting: str, *, zero: str | None = None) -> None:
+    """Refuse a TCP port outside 1..65535, at configuration (before: 70000 raised
+    ``OverflowError`` from ``bind()``, a traceback; -1 named the host setting).
+
+    Parameters
+    ----------
+    port : int
+    setting : str
+        Named in the message and set as the error's ``setting`` (``"metrics_port"``).
+    zero : str | None
+        What 0 means for this setting (``"off"``, ``"any free port"``); ``None``: 0 is
+        refused too.
+
+    Raises
+    ------
+    ledgerbox.ConfigurationError
+        ``"metrics_port must be a TCP port in 1..65535 (0: off) (got 70000)"``.
+    """
+    if not (0 if zero else 1) <= port <= 65535:
+        what = f" (0: {zero})" if zero else ""
+        raise ConfigurationError(
+            f"{setting} must be a TCP port in 1..65535{what} (got {port})", setting=setting
+        )
+
+
 def serve_metrics(port: int, host: str = DEFAULT_HOST, *, setting: str = "metrics_host") -> None:
     """Serve Prometheus metrics on ``host:port`` in a background thread
     (``prometheus_client.start_http_server``, which would otherwise bind every interface).
@@ -48,10 +73,13 @@ def serve_metrics(port: int, host: str = DEFAULT_HOST, *, setting: str = "metric
     Raises
     ------
     ledgerbox.ConfigurationError
-        If the address cannot be bound (in use, not an address of this machine); ``setting``
-        names ``metrics_host`` (or ``metrics_port`` when the port is the cause).
+        If ``port`` is not in 1..65535 (:func:`check_port`), or the address cannot be bound
+        (in use, not an address of this machine); ``setting`` names ``metrics_host`` (or
+        ``metrics_port`` when the port is the cause).
     """
     from prometheus_client import start_http_server
+
+    check_port(port, "metrics_port")
 
     try:
         start_http_server(port, addr=host)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ledgerbox._core.endpoint import DEFAULT_HOST, needs_token
+from ledgerbox._core.endpoint import DEFAULT_HOST, check_port, needs_token
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import check_service_names
 from ledgerbox._core.kafka import KafkaSettings
@@ -172,8 +172,7 @@ class ConsoleConfig:
             raise ConfigurationError(
                 f"service names must be unique ({', '.join(dup)} twice)", setting="services_file"
             )
-        if not 0 <= self.port <= 65535:
-            raise ConfigurationError(f"port must be in 0..65535 (got {self.port})", setting="port")
+        check_port(self.port, "port", zero="any free port")
         if needs_token(self.host) and not self.token_value:
             raise ConfigurationError(
                 f"the console on {self.host} (not a loopback address) requires a token "

@@ -197,3 +197,26 @@ def test_a_malformed_kafka_address_is_refused_by_every_command_naming_the_settin
         f"; set --kafka-bootstrap-servers, LEDGERBOX_{prefix}_KAFKA_BOOTSTRAP_SERVERS or "
         "KAFKA_BOOTSTRAP_SERVERS"
     ), line
+
+
+@pytest.mark.parametrize("port", ["70000", "65536", "-1"])
+@pytest.mark.parametrize(
+    ("args", "prefix"),
+    [
+        (["relay", "run", "--kafka-bootstrap-servers", "127.0.0.1:1"], "relay"),
+        (["consumer", "run", "--app", "nosuch:app"], "consumer"),
+    ],
+    ids=["relay", "consumer"],
+)
+def test_a_metrics_port_outside_the_tcp_range_is_refused_naming_the_flag(
+    port: str, args: list[str], prefix: str
+) -> None:
+    # Before: 70000 raised OverflowError from bind() (a traceback), -1 named --metrics-host.
+    env = {"DATABASE_URL": "postgresql+psycopg://u@127.0.0.1:1/x"}
+    result = _run(*args, "--metrics-port", port, env=env)
+    assert result.returncode == 2, result
+    line = _one_line(result)
+    assert line == (
+        f"ledgerbox {prefix}: metrics_port must be a TCP port in 1..65535 (0: off) (got {port});"
+        f" set --metrics-port or LEDGERBOX_{prefix.upper()}_METRICS_PORT"
+    ), line

@@ -172,3 +172,12 @@ def _listening_addresses(port: int) -> set[str]:
                 raw = bytes.fromhex(address)[::-1]
                 found.add(socket.inet_ntoa(raw))
     return found
+
+
+@pytest.mark.parametrize("port", [70000, 65536, -1, 0])
+def test_serve_metrics_refuses_a_port_outside_the_tcp_range_naming_metrics_port(port: int) -> None:
+    from ledgerbox._core import endpoint
+    from ledgerbox._core.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=r"metrics_port must be a TCP port in 1\.\.65535"):
+        endpoint.serve_metrics(port)
