@@ -29,7 +29,12 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
-from ledgerbox._core.database_url import connect_args
+from ledgerbox._core.database_url import (
+    connect_args,
+    database_label,
+    refused_login,
+    sqlalchemy_url,
+)
 from ledgerbox._core.errors import BrokerError, DatabaseError, kafka_unreachable
 from ledgerbox._core.faults import login_refused
 from ledgerbox._core.kafka import KafkaSettings
@@ -126,7 +131,7 @@ async def check_consumer(
 
 async def _check_database(config: ConsumerConfig, timeout_s: float) -> CheckResult | None:
     engine = create_async_engine(
-        config.database_url,
+        sqlalchemy_url(config.database_url),
         poolclass=sa.pool.NullPool,
         connect_args=connect_args(config.database_url),
     )
@@ -142,14 +147,10 @@ async def _check_database(config: ConsumerConfig, timeout_s: float) -> CheckResu
         if error is None:
             raise
         detail = _detail(error)
-        if login_refused(exc):
-            return _down(
-                f"database at {where} refused the login of user {url.username!r} to database "
-                f"{url.database!r} (wrong or missing password, or no such database): {detail}: "
-                "fix database_url",
-                permanent=True,
-                recheck=True,
-            )
+        if login_refused(exc):  # the user, the password or the database: named, all three
+            error.__cause__ = exc
+            label = database_label(config.database_url)
+            return _down(refused_login(error, label, "database_url"), permanent=True, recheck=True)
         return _down(f"database at {where} unreachable: {detail}: start it or fix database_url")
     finally:
         await engine.dispose()

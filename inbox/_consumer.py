@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from ledgerbox._core.database_url import connect_args
+from ledgerbox._core.database_url import connect_args, sqlalchemy_url
 from ledgerbox._core.durations import check_duration
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.faults import PermanentVerdict
@@ -190,7 +190,8 @@ class InboxConsumer:
         """The async engine (built on first use)."""
         if self._async_engine is None:
             self._async_engine = create_async_engine(
-                self.config.database_url, connect_args=connect_args(self.config.database_url)
+                sqlalchemy_url(self.config.database_url),
+                connect_args=connect_args(self.config.database_url),
             )
             discard_on_environment_faults(self._async_engine.sync_engine)
         return self._async_engine
@@ -200,7 +201,8 @@ class InboxConsumer:
         """The sync engine for sync handlers (built on first use)."""
         if self._engine is None:
             self._engine = create_engine(
-                self.config.database_url, connect_args=connect_args(self.config.database_url)
+                sqlalchemy_url(self.config.database_url),
+                connect_args=connect_args(self.config.database_url),
             )
             discard_on_environment_faults(self._engine)
         return self._engine

@@ -75,10 +75,15 @@ def _root() -> None:
 @MIGRATE_SETTINGS.typer_command(app, "migrate", list(MIGRATE_SETTINGS.settings))
 def migrate(values: Values, ctx: typer.Context) -> None:
     """Create or upgrade the outbox, inbox and relay tables (idempotent)."""
+    from alembic.util import CommandError
     from sqlalchemy.exc import SQLAlchemyError
 
     from ledgerbox import migrations
-    from ledgerbox._core.database_url import database_label, database_remedy
+    from ledgerbox._core.database_url import (
+        check_database_url,
+        database_label,
+        database_remedy,
+    )
     from ledgerbox._core.errors import ConfigurationError, DatabaseError, LedgerboxError
     from ledgerbox._core.identifiers import (
         inbox_table_name,
@@ -86,8 +91,15 @@ def migrate(values: Values, ctx: typer.Context) -> None:
         outbox_table_name,
         sql_identifier,
     )
-    from ledgerbox._core.redaction import scrub
+    from ledgerbox._core.redaction import remember_url, scrub
 
+    url = values["database_url"]
+    remember_url(url)  # its password is scrubbed from every line below
+    try:  # the daemons' check: a URL that can never connect (mysql://, port 70000) is refused
+        check_database_url(url, reader="sqlalchemy")
+        migrations._check_revision(values["revision"])  # before any connection
+    except ConfigurationError as exc:
+        MIGRATE_SETTINGS.fail(exc, values)
     checks = {"outbox_table": outbox_table_name, "inbox_table": inbox_table_name}
     for name in NAME_SETTINGS:
         if values[name] is not None:
@@ -101,15 +113,25 @@ def migrate(values: Values, ctx: typer.Context) -> None:
     except ConfigurationError as exc:
         MIGRATE_SETTINGS.fail(ConfigurationError(str(exc), setting="outbox_table"), values)
     try:
-        migrations.upgrade_database(values["database_url"], names, values["revision"])
-    except (LedgerboxError, SQLAlchemyError) as exc:
-        # A database that is down, a refused login, a missing privilege: one line with the
-        # fix (database_remedy), as the operator commands say it; else the error as it is.
-        error = (
-            exc if isinstance(exc, LedgerboxError) else DatabaseError.translate(exc, "the upgrade")
+        migrations.upgrade_database(url, names, values["revision"])
+    except CommandError as exc:  # Alembic: a relative target that does not resolve, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        line = (
+            f"{first}: give --revision head or one of {', '.join(migrations._revisions())} "
+            "(`ledgerbox migrate` only upgrades)"
         )
+        typer.echo(scrub(f"migrate failed: {line}"), err=True)
+        raise typer.Exit(2) from None
+    except (LedgerboxError, SQLAlchemyError) as exc:
+        # A database that is down, a refused login (the user and the database named), a
+        # missing privilege: one line with the fix (database_remedy), as the operator
+        # commands say it; else the error as it is.
+        error = exc
+        if not isinstance(exc, LedgerboxError):
+            error = DatabaseError.translate(exc, "the upgrade") or exc
+            error.__cause__ = exc  # libpq's account of the login is read through it
         if isinstance(error, DatabaseError):
-            line = database_remedy(error, database_label(values["database_url"]))
+            line = database_remedy(error, database_label(url))
         else:
             line = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         typer.echo(scrub(f"migrate failed: {line}"), err=True)

@@ -26,8 +26,8 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 
-from ledgerbox._core.database_url import connect_args
-from ledgerbox._core.errors import LedgerboxError
+from ledgerbox._core.database_url import connect_args, sqlalchemy_url
+from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.names import SCHEMA_VERSION_TABLE
 from ledgerbox.migrations._names import Names, include_tables, target_metadata
 
@@ -54,6 +54,41 @@ def alembic_config(url: str, names: Names | None = None) -> Config:
     return config
 
 
+def _revisions() -> list[str]:
+    """The ledgerbox schema revisions, oldest first (``["0001", "0002", "0003"]``)."""
+    from alembic.script import ScriptDirectory
+
+    return [s.revision for s in ScriptDirectory(str(_HERE)).walk_revisions()][::-1]
+
+
+def _check_revision(revision: str) -> None:
+    """Refuse a target that names no ledgerbox schema revision, before any connection.
+    ``head``, ``heads``, ``base`` and the revisions of :func:`_revisions` are targets; a
+    relative one (``+1``, ``head-1``) is left to Alembic, which says whether it resolves
+    (``ledgerbox migrate`` calls it; not public API).
+
+    Raises
+    ------
+    ledgerbox.ConfigurationError
+        ``setting="revision"``: one line listing the revisions.
+    """
+    if "+" in revision or "-" in revision:
+        return
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    try:
+        ScriptDirectory(str(_HERE)).get_revisions(revision)
+        return
+    except (CommandError, AssertionError, ValueError, KeyError):
+        pass
+    raise ConfigurationError(
+        f"revision {revision!r} is not a ledgerbox schema revision: give head or one of "
+        f"{', '.join(_revisions())}",
+        setting="revision",
+    )
+
+
 class MigrationError(LedgerboxError):
     """The ledgerbox tables cannot be migrated stand-alone as asked; the message says why
     and what to do (e.g. they were created by your own Alembic environment)."""
@@ -73,6 +108,7 @@ def upgrade_database(url: str, names: Names | None = None, revision: str = "head
         to your own Alembic environment (docs/migrations.md, "Embedded").
     """
     names = names or Names()
+    url = sqlalchemy_url(url)  # psycopg 3 whatever driver the URL names (postgresql://)
     _refuse_foreign_tables(url, names)
     command.upgrade(alembic_config(url, names), revision)
 

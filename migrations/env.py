@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context
 
-from ledgerbox._core.database_url import connect_args
+from ledgerbox._core.database_url import connect_args, sqlalchemy_url
 from ledgerbox._core.identifiers import sql_identifier
 from ledgerbox.migrations import VERSION_TABLE
 from ledgerbox.migrations._names import Names, target_metadata
@@ -21,7 +21,7 @@ def run_migrations_online() -> None:
         url = config.get_main_option("sqlalchemy.url")
         assert url, "set sqlalchemy.url (alembic.ini or migrations.alembic_config)"
         connectable = sa.create_engine(
-            url, poolclass=sa.pool.NullPool, connect_args=connect_args(url)
+            sqlalchemy_url(url), poolclass=sa.pool.NullPool, connect_args=connect_args(url)
         )
     with (
         connectable.connect()

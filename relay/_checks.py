@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from ledgerbox._core.database_url import database_label, refused_login
 from ledgerbox._core.errors import kafka_unreachable
 from ledgerbox._core.faults import Fault, login_refused
 from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka
@@ -82,7 +83,7 @@ async def check_relay(
             await store.ping()
             report = await store.schema_report()
     except StoreError as exc:
-        problems.append(_database_problem(exc))
+        problems.append(_database_problem(config, exc))
     except TimeoutError:
         problems.append(
             Problem(False, f"the database did not answer within {timeout_s:g} s: check it runs")
@@ -138,13 +139,11 @@ async def check_relay(
     return CheckResult(problems, healthy)
 
 
-def _database_problem(exc: StoreError) -> Problem:
+def _database_problem(config: RelayConfig, exc: StoreError) -> Problem:
     state = exc.sqlstate or ""
-    if login_refused(exc):
-        return Problem(
-            True, f"the database refused the login ({exc}): fix the user or password of the "
-            "database URL", recheck=True,
-        )  # fmt: skip
+    if login_refused(exc):  # the user, the password or the database: named, all three
+        where = database_label(config.database_url)
+        return Problem(True, refused_login(exc, where, "the database URL"), recheck=True)
     if state == "3D000":
         return Problem(True, f"{exc}: create the database or fix the database URL")
     if state.startswith("42"):

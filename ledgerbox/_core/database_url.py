@@ -20,7 +20,7 @@ from typing import Any, Literal
 from urllib.parse import parse_qsl, urlsplit
 
 from ledgerbox._core.errors import ConfigurationError, DatabaseError, LedgerboxError
-from ledgerbox._core.faults import login_refused
+from ledgerbox._core.faults import login_identity, login_refused
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -29,6 +29,8 @@ __all__ = [
     "database_label",
     "database_remedy",
     "libpq_url",
+    "refused_login",
+    "sqlalchemy_url",
 ]
 
 _SCHEMES = ("postgresql", "postgres")
@@ -48,6 +50,21 @@ def libpq_url(url: str) -> str:
     ``postgresql://``), the form libpq and psycopg read."""
     scheme, sep, rest = url.partition("://")
     return f"{scheme.split('+', 1)[0]}{sep}{rest}"
+
+
+def sqlalchemy_url(url: str) -> str:
+    """``url`` for a SQLAlchemy engine on psycopg 3, the one driver ledgerbox connects with.
+
+    The libpq forms (``postgresql://``, ``postgres://``) and a URL naming another driver
+    (``postgresql+psycopg2://``, ``+asyncpg``) become ``postgresql+psycopg://``, as the relay,
+    which hands the libpq form to psycopg, has always read them: SQLAlchemy alone picks
+    psycopg2 for ``postgresql://``, which ledgerbox does not install (a
+    ``ModuleNotFoundError`` traceback from ``migrate``, ``consumer check``...). Any other URL
+    is returned as it is (:func:`check_database_url` refuses it)."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.split("+", 1)[0].lower() in _SCHEMES:
+        return f"postgresql+psycopg://{rest}"
+    return url
 
 
 def check_database_url(
@@ -173,6 +190,31 @@ def _with_port(host: str) -> str:
     return host if ":" in host else f"{host}:5432"
 
 
+def refused_login(exc: BaseException, where: str, url_flag: str = "--database-url") -> str:
+    """The ONE line of a login the server refused (:func:`ledgerbox._core.faults.
+    login_refused`), naming the user and the database libpq asked for.
+
+    A refused password, an unknown user and a database that does not exist look the same to
+    the client: libpq gives a connection error no SQLSTATE, and ledgerbox never reads the
+    server's (translatable) message text. So the line names both the user and the database,
+    and says when the URL names no database (libpq then takes the user name): the operator
+    sees which of the three is wrong.
+    """
+    user, database = login_identity(exc)
+    who = f"the login of user {user!r}" if user else "the login"
+    if database:
+        who += f" to database {database!r}"
+    unnamed = ""
+    if where.endswith("/"):  # the URL names no database (database_label)
+        unnamed = " (the URL names no database: libpq took the user name)"
+    missing = f"no database {database!r} there{unnamed}" if database else "no such database"
+    return (
+        f"the database server at {where.partition('/')[0]} refused {who} ({exc}): a wrong or "
+        f"missing password, an unknown user, or {missing}: fix the user, the password or the "
+        f"database name of {url_flag}"
+    )
+
+
 def database_remedy(exc: DatabaseError, where: str, *, url_flag: str = "--database-url") -> str:
     """``exc`` as ONE line with what to do about it.
 
@@ -190,17 +232,15 @@ def database_remedy(exc: DatabaseError, where: str, *, url_flag: str = "--databa
     -------
     str
         The cause and the fix: the server unreachable (start it, check ``where``), the
-        login refused, the database or a table missing (``ledgerbox migrate``), a privilege
-        missing (GRANT); otherwise ``exc``'s own message.
+        login refused (:func:`refused_login`: the user and the database named), the
+        database or a table missing (``ledgerbox migrate``), a privilege missing (GRANT);
+        otherwise ``exc``'s own message.
     """
     if isinstance(exc.__cause__, LedgerboxError):
         return str(exc)
     state = exc.sqlstate or ""
     if login_refused(exc):
-        return (
-            f"the database at {where} refused the login ({exc}): fix the user or password "
-            f"of {url_flag}"
-        )
+        return refused_login(exc, where, url_flag)
     if state == "3D000":
         return f"{exc}: create the database, or fix the database name of {url_flag}"
     if state in ("42P01", "3F000"):

@@ -27,6 +27,7 @@ __all__ = [
     "describe_driver_error",
     "driver_fault",
     "kafka_fault",
+    "login_identity",
     "login_refused",
     "sqlstate_fault",
 ]
@@ -196,6 +197,24 @@ def login_refused(exc: BaseException) -> bool:
                 getattr(pgconn, "needs_password", False)
             )
     return False
+
+
+def login_identity(exc: BaseException) -> tuple[str | None, str | None]:
+    """``(user, database)`` of the connection attempt that failed with ``exc``, as libpq
+    resolved them (the URL's, else its defaults: ``PGUSER``/``PGDATABASE``, the user name as
+    the database when the URL names none); ``(None, None)`` when ``exc`` carries no libpq
+    connection. Never the password."""
+    for item in _chain(exc):
+        pgconn = getattr(item, "pgconn", None)
+        if pgconn is not None:
+            return _text(getattr(pgconn, "user", None)), _text(getattr(pgconn, "db", None))
+    return None, None
+
+
+def _text(value: object) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace") or None
+    return value if isinstance(value, str) and value else None
 
 
 #: How long a startup check's "permanent" verdict (a refused login, an unknown database, Kafka

@@ -21,7 +21,7 @@ from typing import Any, LiteralString
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from ledgerbox._core.database_url import connect_args
+from ledgerbox._core.database_url import connect_args, sqlalchemy_url
 from ledgerbox._core.errors import DatabaseError
 from ledgerbox._core.faults import Fault
 from ledgerbox.admin._table import AUDIT_TABLE, DLQ_ACTION_TABLE
@@ -73,12 +73,9 @@ class Audited:
 
 
 def async_url(url: str) -> str:
-    """``url`` for SQLAlchemy's async psycopg driver (``postgresql://`` gets
-    ``+psycopg``)."""
-    for plain in ("postgresql://", "postgres://"):
-        if url.startswith(plain):
-            return "postgresql+psycopg://" + url[len(plain) :]
-    return url
+    """``url`` for SQLAlchemy's async psycopg driver
+    (:func:`ledgerbox._core.database_url.sqlalchemy_url`)."""
+    return sqlalchemy_url(url)
 
 
 def log_action(result: ActionResult, filters: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy import make_url
 from sqlalchemy.engine import Engine
 
 LEDGERBOX = [sys.executable, "-m", "ledgerbox"]
@@ -220,3 +221,94 @@ def test_a_metrics_port_outside_the_tcp_range_is_refused_naming_the_flag(
         f"ledgerbox {prefix}: metrics_port must be a TCP port in 1..65535 (0: off) (got {port});"
         f" set --metrics-port or LEDGERBOX_{prefix.upper()}_METRICS_PORT"
     ), line
+
+
+# -- migrate: the daemons' URL checks, the revision, the login --------------------------------
+
+#: A server address nothing listens on: a check that connected would say "unreachable".
+NOWHERE = "postgresql+psycopg://ops:hunter2@127.0.0.1:1/orders"
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("mysql://ops:hunter2@127.0.0.1/orders", "is not a PostgreSQL URL"),
+        ("postgresql+psycopg://ops:hunter2@127.0.0.1:70000/orders", "has a port that is not"),
+        ("postgresql+psycopg://ops:hunter2@127.0.0.1/orders?sslmdoe=require", "does not parse"),
+    ],
+    ids=["mysql", "port", "query"],
+)
+def test_migrate_refuses_a_url_that_can_never_work_as_the_daemons_do(url: str, why: str) -> None:
+    # Before: mysql:// was a ModuleNotFoundError traceback (MySQLdb), exit 1.
+    result = _run("migrate", "--database-url", url)
+    assert result.returncode == 2, result
+    line = _one_line(result)
+    assert line.startswith(f"ledgerbox migrate: database_url {why}"), line
+    assert line.endswith("; set --database-url, LEDGERBOX_MIGRATE_DATABASE_URL or DATABASE_URL")
+    assert "hunter2" not in result.stderr + result.stdout
+
+
+def test_migrate_refuses_an_unknown_revision_in_one_line_listing_the_revisions() -> None:
+    # Before: a 260-line traceback (alembic CommandError), exit 1. Refused before connecting.
+    result = _run("migrate", "--database-url", NOWHERE, "--revision", "bogus")
+    assert result.returncode == 2, result
+    assert _one_line(result) == (
+        "ledgerbox migrate: revision 'bogus' is not a ledgerbox schema revision: give head or "
+        "one of 0001, 0002, 0003; set --revision or LEDGERBOX_MIGRATE_REVISION"
+    )
+
+
+def test_migrate_says_a_relative_revision_that_does_not_resolve_in_one_line(
+    database_url: str,
+) -> None:
+    result = _run("migrate", "--database-url", database_url, "--revision", "+5")
+    assert result.returncode == 2, result
+    line = _one_line(result)
+    assert line.startswith("migrate failed: Relative revision +5 didn't produce 5 migrations: "), (
+        line
+    )
+    assert "give --revision head or one of 0001, 0002, 0003" in line
+
+
+def test_migrate_and_consumer_check_take_the_libpq_form_of_the_url(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    # Before: SQLAlchemy picked psycopg2 for postgresql:// (not installed): a
+    # ModuleNotFoundError traceback, exit 1, although docs/security.md promised that form.
+    plain = "postgresql://" + database_url.partition("://")[2]
+    result = _run("migrate", "--database-url", plain)
+    assert result.returncode == 0, result.stderr
+    for url in (plain, "postgresql+psycopg2://" + database_url.partition("://")[2]):
+        check = _run(
+            "consumer", "check", "--database-url", url, "--kafka-bootstrap-servers",
+            kafka_bootstrap,
+        )  # fmt: skip
+        assert check.returncode == 0, check.stderr + check.stdout
+        assert check.stdout.splitlines()[0] == "ok"
+
+
+def test_migrate_names_the_user_and_the_database_of_a_refused_login(database_url: str) -> None:
+    # Before: a wrong password or a missing database said "unreachable: start the server".
+    url = make_url(database_url)
+    wrong = url.set(password="not-the-password").render_as_string(hide_password=False)
+    result = _run("migrate", "--database-url", wrong)
+    assert result.returncode == 2, result
+    line = _one_line(result)
+    assert line.startswith(
+        f"migrate failed: the database server at {url.host}:{url.port} refused the login of "
+        f"user {url.username!r} to database {url.database!r} ("
+    ), line
+    assert line.endswith(
+        "a wrong or missing password, an unknown user, or no database "
+        f"{url.database!r} there: fix the user, the password or the database name of "
+        "--database-url"
+    ), line
+    assert "start the server" not in line and "not-the-password" not in result.stderr
+    missing = url.set(database="nosuch_db_for_migrate").render_as_string(hide_password=False)
+    result = _run("migrate", "--database-url", missing)
+    assert result.returncode == 2, result
+    line = _one_line(result)
+    assert "to database 'nosuch_db_for_migrate'" in line, line
+    assert (
+        "or no database 'nosuch_db_for_migrate' there: fix the user, the password or the " in line
+    )

@@ -416,3 +416,48 @@ def test_an_empty_filter_value_is_refused_and_audits_nothing(
             sa.text("SELECT DISTINCT status FROM outbox WHERE topic = :t"), {"t": dead}
         ).scalars()
         assert set(statuses) == {2}
+
+
+# -- 8 ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "prefix", "flag"),
+    [
+        (["relay", "status"], "ledgerbox relay status: ", "--database-url"),
+        (["relay", "dead", "list"], "ledgerbox relay dead list: ", "--database-url"),
+        (["consumer", "dlq", "list", "--dlq-topic", "orders.dlq"], "ledgerbox consumer dlq list: ",
+         "--database-url"),
+        (["relay", "check"], "relay down: ", "the database URL"),
+        (["consumer", "check"], "down: ", "database_url"),
+    ],
+    ids=["status", "dead-list", "dlq-list", "relay-check", "consumer-check"],
+)  # fmt: skip
+def test_a_database_that_does_not_exist_is_named_in_the_line(
+    args: list[str], prefix: str, flag: str, database_url: str, kafka_bootstrap: str
+) -> None:
+    # Before: "... refused the login (... database "nosuch" does not exist): fix the user or
+    # password": the database, the one thing wrong, was not in the fix.
+    url = sa.make_url(database_url)
+    server = f"{url.host}:{url.port}"
+    env = {"KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap}
+    missing = url.set(database="nosuch_ops_db").render_as_string(hide_password=False)
+    result = _cli(*args, "--database-url", missing, env=env)
+    assert result.returncode == 2, result
+    line = (result.stdout + result.stderr).strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+    assert line.startswith(f"{prefix}the database server at {server} refused the login of user "), (
+        line
+    )
+    assert "to database 'nosuch_ops_db'" in line, line
+    assert line.endswith(
+        "or no database 'nosuch_ops_db' there: fix the user, the password or the database "
+        f"name of {flag}"
+    ), line
+    # No database in the URL: libpq takes the user name, and the line says so.
+    unnamed = f"postgresql+psycopg://nobody_ops:x@{server}"
+    result = _cli(*args, "--database-url", unnamed, env=env)
+    assert result.returncode == 2, result
+    line = (result.stdout + result.stderr).strip()
+    assert "refused the login of user 'nobody_ops' to database 'nobody_ops'" in line, line
+    assert "(the URL names no database: libpq took the user name)" in line, line

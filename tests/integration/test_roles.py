@@ -236,10 +236,12 @@ async def test_a_wrong_database_password_makes_relay_run_exit_2_in_one_line(
     code, out = await asyncio.to_thread(s.run, ["relay", "run"], env, 60)
     assert code == 2, out
     (line,) = s.lines(out)
-    assert line.startswith("ledgerbox relay: the database refused the login (connect failed: "), (
-        line
-    )
-    assert line.endswith("fix the user or password of the database URL"), line
+    relay = roles.names["relay"]
+    assert line.startswith(
+        f"ledgerbox relay: the database server at {wrong.host}:{wrong.port} refused the login "
+        f"of user {relay!r} to database {wrong.database!r} (connect failed: "
+    ), line
+    assert line.endswith("fix the user, the password or the database name of the database URL")
     assert f'password authentication failed for user "{roles.names["relay"]}"' in line
     assert "not-the-relay-password" not in out and "Traceback" not in out
 
