@@ -171,6 +171,7 @@ class Relay:
                 backoff=backoff,
                 stop=self._stop,
                 idle=self._idle,
+                clock=clock,
             )
         )
         # Adaptive lanes (run()): ``_active`` lanes run, shards split by ``shard % _active``.

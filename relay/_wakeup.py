@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +54,8 @@ class WakeUpDeps:
         Set by a lane that starts waiting for a wake-up (``LaneDeps.on_idle``); the listener
         clears it after each wake-up and reads again once it is set (module docstring).
         ``None``: read every notification at once.
+    clock : Callable[[], float]
+        Monotonic clock in seconds (how long LISTEN was lost, in the line when it is back).
     """
 
     store: RelayStore
@@ -60,6 +63,7 @@ class WakeUpDeps:
     backoff: Backoff
     stop: StopSignal
     idle: asyncio.Event | None = None
+    clock: Callable[[], float] = time.monotonic
 
 
 class WakeUp:
@@ -83,21 +87,42 @@ class WakeUp:
             await asyncio.wait_for(idle.wait(), READ_PAUSE_MAX_S)
 
     async def run(self) -> None:
-        """Until stopped (cancelled by the relay); never raises on database errors (logged,
-        counted as ``retries_total{stage="listen"}``)."""
+        """Until stopped (cancelled by the relay); never raises on database errors (counted
+        as ``retries_total{stage="listen"}``). An outage is two WARNING lines, whatever its
+        length: ``LISTEN connection lost: <cause>`` at the first failure and ``LISTEN
+        connection back after <s> s`` once LISTEN is active again; the retries in between log
+        at DEBUG (docs/relay.md, "Health": an hour of outage is two lines, not 3,600)."""
         deps = self._deps
         attempt = 0
+        lost_at: float | None = None
         while not deps.stop.is_set():
             try:
                 # The first item comes once LISTEN is active: a commit before it notified
                 # no one, so every lane claims then (and on every notification after).
                 async for _ in deps.store.notifications():
+                    if lost_at is not None:
+                        log.warning("LISTEN connection back after %.1f s", deps.clock() - lost_at)
+                        lost_at = None
                     attempt = 0
                     deps.wake_all()
                     await self._until_wanted()
             except StoreError as exc:
                 attempt += 1
                 m.RETRIES.labels(stage="listen").inc()
-                log.warning("LISTEN connection lost: %s", exc, extra={"attempt": attempt})
+                if lost_at is None:
+                    lost_at = deps.clock()
+                    log.warning(
+                        "LISTEN connection lost: %s (the lanes poll every poll_interval_s until "
+                        "it is back; retries logged at DEBUG)",
+                        exc,
+                        extra={"attempt": attempt},
+                    )
+                else:
+                    log.debug(
+                        "LISTEN connection still lost (attempt %d): %s",
+                        attempt,
+                        exc,
+                        extra={"attempt": attempt},
+                    )
                 await deps.store.aclose()
                 await deps.stop.sleep(deps.backoff.delay_s(attempt))
