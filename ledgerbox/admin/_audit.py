@@ -41,6 +41,10 @@ RETURNING id, at
 CAN_AUDIT: LiteralString = """
 SELECT has_table_privilege(CAST(:audit AS text), 'INSERT')
 """
+# The same for the inbox table a DLQ replay updates (its group's row: REPLAY_REQUESTED).
+CAN_UPDATE: LiteralString = """
+SELECT has_table_privilege(CAST(:table AS text), 'UPDATE')
+"""
 LIST_AUDIT: LiteralString = """
 SELECT id, at, actor, action, dry_run, filters, ids, changed FROM {audit}
 WHERE CAST(:action AS text) IS NULL OR action = CAST(:action AS text)
@@ -108,7 +112,9 @@ class AdminStore:
             "table": f"{prefix}{db.inbox_table}",
         }
         self._audit_name = names["audit"]
+        self._inbox_name = names["table"]
         self._can_audit = sa.text(CAN_AUDIT)
+        self._can_update = sa.text(CAN_UPDATE)
         self._insert_audit = sa.text(INSERT_AUDIT.format(**names))
         self._list_audit = sa.text(LIST_AUDIT.format(**names))
         self._dlq_states = sa.text(DLQ_STATES.format(**names))
@@ -162,6 +168,41 @@ class AdminStore:
             raise DatabaseError(
                 f"this role may not insert into {self._audit_name} in {self.db.label}: grant "
                 'it INSERT (docs/operations.md, "The audit trail"); nothing was changed',
+                fault=Fault.ENVIRONMENT,
+                sqlstate="42501",
+            )
+
+    async def check_inbox(self) -> None:
+        """Raise unless the inbox table a replay updates exists and this role may update it:
+        call it before a replay (a dry run too) writes its audit row.
+
+        Raises
+        ------
+        ledgerbox.DatabaseError
+            The inbox table is missing (``sqlstate`` 42P01: a wrong ``--inbox-table`` or
+            ``--schema``, or the tables not migrated), the role may not update it (42501),
+            or the database call failed. The message names the table and the fix.
+        """
+        try:
+            async with self.begin("inbox table check") as conn:
+                allowed = (
+                    await conn.execute(self._can_update, {"table": self._inbox_name})
+                ).scalar()
+        except DatabaseError as exc:
+            if exc.sqlstate != "42P01":
+                raise
+            raise DatabaseError(
+                f"the inbox table {self._inbox_name} does not exist in {self.db.label}: give "
+                "the consumer's table with --inbox-table and --schema (or run `ledgerbox "
+                "migrate`); nothing was changed, nothing audited",
+                fault=exc.fault,
+                sqlstate=exc.sqlstate,
+            ) from exc
+        if not allowed:
+            raise DatabaseError(
+                f"this role may not update the inbox table {self._inbox_name} in "
+                f'{self.db.label}: grant it UPDATE (docs/security.md, "Least privilege"); '
+                "nothing was changed, nothing audited",
                 fault=Fault.ENVIRONMENT,
                 sqlstate="42501",
             )

@@ -397,8 +397,14 @@ async def replay_dlq_records(
         (by reference, or with ``include_done``); an event that got through already is a
         duplicate for its group.
     ledgerbox.DatabaseError
-        The database failed; nothing was sent.
+        The database failed, or the inbox table (``db.inbox_table``) does not exist or may
+        not be updated (checked first, a dry run too: no audit row); nothing was sent.
     """
+    store = AdminStore(db)
+    try:  # a wrong --inbox-table: refused before anything, a dry run too (no audit row)
+        await store.check_inbox()
+    finally:
+        await store.aclose()
     chosen, filters = await _select(kafka, db, refs, filter)
     for decoded, _record in chosen:
         why = _refusal(decoded)
@@ -516,9 +522,17 @@ async def discard_dlq_records(
     """Discard dead-letter records: recorded in ``ledgerbox_dlq_action`` (Kafka cannot
     delete a record), so lists hide them and a replay refuses them. The inbox rows stay
     DEAD_LETTERED (final): the groups never run those events. Parameters and errors as
-    :func:`replay_dlq_records` (no Kafka write; ``changed``: records newly discarded).
+    :func:`replay_dlq_records` (no Kafka write; ``changed``: records discarded). A record
+    discarded already is refused (:class:`~ledgerbox.admin.RefusedError`, no audit row), as
+    ``relay dead discard`` refuses an event that is no longer dead-lettered.
     """
     chosen, filters = await _select(kafka, db, refs, filter)
+    for decoded, _record in chosen:
+        if decoded.state == "discarded":  # as `relay dead discard` refuses a second discard
+            raise RefusedError(
+                f"cannot discard {decoded.ref}: it was discarded already (a discard is final); "
+                "nothing changed, nothing audited"
+            )
     actor = actor or default_actor()
     ids = [d.ref for d, _r in chosen]
     fresh = [d for d, _r in chosen if d.state != "discarded"]

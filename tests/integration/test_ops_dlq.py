@@ -259,3 +259,58 @@ async def test_dlq_replay_reaches_only_its_group_once_in_order_and_discard_is_fi
     finally:
         await a.aclose()
         await b.aclose()
+
+
+def _audit_count(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text("SELECT count(*) FROM ledgerbox_ops_audit")).scalar_one())
+
+
+async def test_a_second_discard_and_a_missing_inbox_table_are_refused_without_an_audit_row(
+    database_url: str, engine: Engine, kafka_bootstrap: str, new_topic: Any
+) -> None:
+    # Before: a second `dlq discard <ref>` exited 0 and wrote a second audit row (`relay dead
+    # discard` refuses it, exit 2); `dlq replay --inbox-table nosuch --dry-run` said "would
+    # replay 1" and audited it.
+    dlq = await new_topic.acreate("ops-dlq-twice", partitions=1)
+    headers = [
+        ("ce_id", str(uuid.uuid4()).encode()),
+        ("ce_type", b"OrderPlaced"),
+        ("ledgerbox_error_type", b"Poison"),
+        ("ledgerbox_error_message", b"no price"),
+        ("ledgerbox_source_topic", b"orders"),
+        ("ledgerbox_source_partition", b"0"),
+        ("ledgerbox_source_offset", b"0"),
+        ("ledgerbox_consumer_group", b"billing"),
+    ]
+    await produce(kafka_bootstrap, dlq, [(b"o-1", b"{}", headers), (b"o-2", b"{}", headers)])
+    env = {"DATABASE_URL": database_url, "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap}
+    first = _cli("dlq", "discard", f"{dlq}:0:0", **env)
+    assert first.returncode == 0, first.stderr
+    before = _audit_count(engine)
+    for refs in ([f"{dlq}:0:0"], [f"{dlq}:0:1", f"{dlq}:0:0"]):
+        again = _cli("dlq", "discard", *refs, **env)
+        assert again.returncode == 2, again
+        (line,) = again.stderr.strip().splitlines()
+        assert line == (
+            f"ledgerbox consumer dlq discard: cannot discard {dlq}:0:0: it was discarded "
+            "already (a discard is final); nothing changed, nothing audited"
+        ), line
+    kafka = admin.KafkaSettings(bootstrap_servers=kafka_bootstrap)
+    with pytest.raises(admin.RefusedError, match="discarded already"):
+        await admin.discard_dlq_records(kafka, admin.Database(url=database_url), [f"{dlq}:0:0"])
+    for dry in (["--dry-run"], []):
+        for select in ([f"{dlq}:0:1"], ["--all-matching", "--dlq-topic", dlq, "--key", "o-2"]):
+            replay = _cli("dlq", "replay", *select, "--inbox-table", "nosuch", *dry, **env)
+            assert replay.returncode == 2, replay
+            (line,) = replay.stderr.strip().splitlines()
+            assert line.startswith(
+                "ledgerbox consumer dlq replay: the inbox table nosuch does not exist in "
+            ), line
+            assert "give the consumer's table with --inbox-table and --schema" in line, line
+    assert _audit_count(engine) == before
+    listed = _cli("dlq", "list", "--dlq-topic", dlq, "--all", "--json", **env)
+    assert [(r["ref"], r["state"]) for r in json.loads(listed.stdout)] == [
+        (f"{dlq}:0:0", "discarded"),
+        (f"{dlq}:0:1", "dead"),
+    ]
