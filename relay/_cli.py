@@ -344,12 +344,15 @@ def rebase(values: Values, ctx: typer.Context) -> None:
             stats = await store.stats(config.shard_count)
             live = sorted({o for s, o, _, ok in stats.owners if ok and o is not None})
             if live and not values["force"]:
+                # Exit 2, like every refusal of an operator command (1 is `check`'s "degraded").
                 typer.echo(
-                    f"rebase refused: relays {', '.join(live)} hold leases; stop them (or pass"
-                    " --force)",
+                    scrub(
+                        f"ledgerbox relay rebase: refused: relays {', '.join(live)} hold "
+                        "leases; stop them (or pass --force)"
+                    ),
                     err=True,
                 )
-                return 1
+                return 2
             done = await store.rebase(values["margin_s"], dry_run=values["dry_run"])
         finally:
             await store.aclose()

@@ -333,9 +333,9 @@ async def test_rebase_refuses_while_a_live_relay_holds_leases(
             )
         )
     refused = _rebase(database_url, "--margin-s", "0")
-    assert refused.returncode == 1
+    assert refused.returncode == 2, "a refusal of an operator command exits 2 (1: degraded)"
     assert refused.stderr.strip() == (
-        "rebase refused: relays live-one hold leases; stop them (or pass --force)"
+        "ledgerbox relay rebase: refused: relays live-one hold leases; stop them (or pass --force)"
     )
     forced = _rebase(database_url, "--margin-s", "0", "--force")
     assert forced.returncode == 0, forced.stderr
