@@ -227,9 +227,13 @@ def load_services_file(
 
 
 def _service(path: str | Path, index: int, table: Any, env: Mapping[str, str]) -> ServiceTarget:
+    # Every refusal names the file, the service (its number, and its name when it has one)
+    # and the key: the value is the file's, so the fix is there, not in a flag.
     where = f"services file {path}, service {index}"
     if not isinstance(table, dict):
         raise ConfigurationError(f"{where}: not a table", setting="services_file")
+    if isinstance(table.get("name"), str):
+        where = f"{where} ({table['name']!r})"
     unknown = sorted(set(table) - _SERVICE_KEYS)
     if unknown:
         raise ConfigurationError(
@@ -254,12 +258,13 @@ def _service(path: str | Path, index: int, table: Any, env: Mapping[str, str]) -
         if key in values and (
             not isinstance(values[key], list) or not all(isinstance(v, str) for v in values[key])
         ):
-            raise ConfigurationError(f"{where}: {key} must be a list of strings", setting=key)
-    if "shard_count" in values and not isinstance(values["shard_count"], int):
-        raise ConfigurationError(f"{where}: shard_count must be an integer", setting="shard_count")
+            raise _wrong_type(where, key, "a list of strings", values[key])
+    count = values.get("shard_count", 64)
+    if not isinstance(count, int) or isinstance(count, bool):
+        raise _wrong_type(where, "shard_count", "an integer", count)
     for key in ("name", "database_url", "schema", "outbox_table", "inbox_table"):
         if key in values and not isinstance(values[key], str):
-            raise ConfigurationError(f"{where}: {key} must be a string", setting=key)
+            raise _wrong_type(where, key, "a string", values[key])
     if "name" not in values or "database_url" not in values:
         raise ConfigurationError(
             f"{where}: name and database_url (or database_url_env) are required",
@@ -269,3 +274,12 @@ def _service(path: str | Path, index: int, table: Any, env: Mapping[str, str]) -
         return ServiceTarget(**values)
     except ConfigurationError as exc:  # the value is the file's: name it, not a flag
         raise ConfigurationError(f"{where}: {exc}", setting="services_file") from None
+
+
+def _wrong_type(where: str, key: str, kind: str, value: object) -> ConfigurationError:
+    # Before: 'shard_count must be an integer (got 64); set --shard-count ...': the flag's
+    # default, and a flag that changes nothing. A URL's value is never shown, only its type.
+    shown = f"a {type(value).__name__}" if key == "database_url" else repr(value)
+    return ConfigurationError(
+        f"{where}: {key} must be {kind} (got {shown})", setting="services_file"
+    )

@@ -568,9 +568,9 @@ def test_a_bad_table_name_in_the_consoles_services_file_names_the_file_not_a_fla
     result = CliRunner().invoke(console_cli.app, ["--services-file", str(path)])
     assert result.exit_code == 2
     [line] = result.stderr.splitlines()
-    assert line.startswith(f"ledgerbox console: services file {path}, service 1: outbox table "), (
-        line
-    )
+    assert line.startswith(
+        f"ledgerbox console: services file {path}, service 1 ('pay'): outbox table "
+    ), line
     assert "use at most 44 chars" in line and "--outbox-table" not in line, line
     assert line.endswith("; set --services-file or LEDGERBOX_CONSOLE_SERVICES_FILE"), line
 
@@ -600,3 +600,32 @@ def test_a_table_and_schema_whose_notify_channel_is_too_long_are_refused_naming_
         == 0
     )
     assert [c.schema for c in captured.configs] == ["s" * 8]
+
+
+@pytest.mark.parametrize(
+    ("line", "key", "got"),
+    [
+        ('shard_count = "many"', "shard_count", "an integer (got 'many')"),
+        ("shard_count = true", "shard_count", "an integer (got True)"),
+        ('groups = "payments"', "groups", "a list of strings (got 'payments')"),
+        ("dlq_topics = [1]", "dlq_topics", "a list of strings (got [1])"),
+        ("schema = 5", "schema", "a string (got 5)"),
+    ],
+)
+def test_a_value_of_the_wrong_type_in_the_services_file_names_the_file_service_and_key(
+    tmp_path: Path, line: str, key: str, got: str
+) -> None:
+    # Before: 'services file ..., service 1: shard_count must be an integer (got 64); set
+    # --shard-count or LEDGERBOX_CONSOLE_SHARD_COUNT': the flag's default, and a flag that
+    # changes nothing (the value is the file's).
+    from ledgerbox.console import _cli as console_cli
+
+    path = tmp_path / "console.toml"
+    path.write_text(f'[[service]]\nname = "pay"\ndatabase_url = "{URL}"\n{line}\n')
+    result = CliRunner().invoke(console_cli.app, ["--services-file", str(path)])
+    assert result.exit_code == 2
+    [out] = result.stderr.splitlines()
+    assert out == (
+        f"ledgerbox console: services file {path}, service 1 ('pay'): {key} must be {got}; "
+        "set --services-file or LEDGERBOX_CONSOLE_SERVICES_FILE"
+    ), out
