@@ -4,8 +4,8 @@ inbox side of the operator API on the command line (docs/operations.md).
 The settings are the consumer's (:data:`ledgerbox.inbox._cli.CONSUMER_SETTINGS`:
 ``--database-url`` / ``DATABASE_URL``, ``--kafka-bootstrap-servers`` /
 ``KAFKA_BOOTSTRAP_SERVERS`` and the ``--kafka-*`` security flags, ``--schema``,
-``--inbox-table``) and the selection flags (``--dlq-topic``, ``--group``, ``--key``,
-``--event-type``, ``--older-than-s``, ``--error``, ``--limit``, ``--actor``). ``--json``
+``--inbox-table``), the filters (``--dlq-topic``, ``--group``, ``--key``, ``--event-type``,
+``--older-than-s``, ``--error``), the cap ``--limit`` and ``--actor``. ``--json``
 prints one JSON document; ``--dry-run`` changes nothing (an audit row is written, flagged);
 ``--all`` lists records already replayed or discarded too. The selection flags (``--group``
 and ``--topic`` included) and ``--actor`` are read from the command line only;
@@ -204,8 +204,9 @@ def _act(command: str, values: Values) -> None:
             name,
             InvalidFilterError(
                 "give the record references to act on (<dlq topic>:<partition>:<offset>), or "
-                "--all-matching with --dlq-topic (and --group, --key, --event-type, "
-                "--older-than-s, --error, --limit) for every record the filters select"
+                "--all-matching with --dlq-topic and a filter (--group, --key, --event-type, "
+                "--older-than-s, --error; --limit caps how many) for every record the filters "
+                "select"
             ),
         )
     if not refs and not narrowed:

@@ -2,14 +2,15 @@
 the command line (docs/operations.md).
 
 The settings are the relay's (:data:`ledgerbox.relay._cli.RELAY_SETTINGS`: ``--database-url``
-/ ``DATABASE_URL``, ``--schema``, ``--outbox-table``) and the shared selection flags
-(``--key``, ``--event-type``, ``--topic``, ``--older-than-s``, ``--error``, ``--limit``,
-``--actor``; :mod:`ledgerbox._core.operator_settings`). ``--json`` prints one JSON document;
-``--dry-run`` changes nothing (an audit row is written, flagged). The selection flags and
-``--actor`` are read from the command line only (never ``LEDGERBOX_RELAY_*``);
-``--all-matching`` needs at least one filter, and a selection that matches nothing is
-refused without an audit row. An expected failure (bad filter, unknown id, database
-unreachable, operator tables missing) prints ONE line on stderr, the cause and the fix
+/ ``DATABASE_URL``, ``--schema``, ``--outbox-table``) and the shared selection flags (the
+filters ``--key``, ``--event-type``, ``--topic``, ``--older-than-s``, ``--error``; the cap
+``--limit``, not a filter; ``--actor``; :mod:`ledgerbox._core.operator_settings`).
+``--json`` prints one JSON document; ``--dry-run`` changes nothing (an audit row is written,
+flagged). The selection flags and ``--actor`` are read from the command line only (never
+``LEDGERBOX_RELAY_*``); ``--all-matching`` needs at least one filter, an empty filter value
+is refused, and a selection that matches nothing is refused without an audit row. An
+expected failure (bad filter, unknown id, database unreachable, operator tables missing)
+prints ONE line on stderr, the cause and the fix
 (:func:`ledgerbox._core.database_url.database_remedy`), and exits 2.
 
 This module imports only the relay's CLI and the settings: the operator API (SQLAlchemy) is
@@ -168,9 +169,9 @@ def _act(command: str, values: Values) -> None:
         raise _fail(
             command,
             InvalidFilterError(
-                "give the outbox row ids to act on, or --all-matching (with --key, "
-                "--event-type, --topic, --older-than-s, --error, --limit) for every row the "
-                "filters select"
+                "give the outbox row ids to act on, or --all-matching with a filter (--key, "
+                "--event-type, --topic, --older-than-s, --error; --limit caps how many) for "
+                "every row the filters select"
             ),
         )
     if not ids and not narrowed:
