@@ -720,8 +720,10 @@ async def test_failsafe_06_refusals_are_one_line_without_a_traceback(
     code = await asyncio.to_thread(proc.wait, 60)
     lines = said(log)
     assert code == 2 and "Traceback" not in log.read_text(), log.read_text()
-    assert len(lines) == 1 and lines[0].startswith("ledgerbox consumer run: database at "), lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("ledgerbox consumer run: the database server at "), lines
     assert "refused the login" in lines[0] and "not-the-password" not in lines[0]
+    assert lines[0].endswith("fix the user, the password or the database name of database_url")
 
     env = base_env(database_url, kafka_bootstrap, "fs6", group)
     log = tmp_path / "purge.log"
