@@ -33,6 +33,7 @@ from typing import Any, LiteralString
 
 import psycopg
 from psycopg import pq, sql
+from psycopg.conninfo import conninfo_to_dict
 
 from ledgerbox._core.database_url import connect_args
 from ledgerbox._core.names import SCHEMA_VERSION_TABLE
@@ -108,15 +109,21 @@ RETURNING l.shard, l.fence
 
 # SKIP LOCKED in the subselect: two relays acquiring at once never get the same shard; the
 # outer condition is re-checked on the locked row version (READ COMMITTED, EvalPlanQual).
+# The pick is a MATERIALIZED CTE, run once. As "shard IN (SELECT ... LIMIT n FOR UPDATE
+# SKIP LOCKED)" a nested-loop semi join re-ran it for every lease row, each run skipping the
+# rows the statement had already updated: it took every free lease, not n (seen in make test
+# under load; tests/integration/test_relay_store_contract.py forces that plan).
 ACQUIRE_SHARDS: LiteralString = """
-UPDATE {lease} AS l
-SET owner = %(me)s, fence = l.fence + 1, expires_at = now() + make_interval(secs => %(ttl_s)s)
-WHERE l.shard IN (
+WITH picked AS MATERIALIZED (
   SELECT f.shard FROM {lease} AS f
   WHERE f.shard BETWEEN %(lo)s AND %(hi)s AND (f.owner IS NULL OR f.expires_at < now())
   ORDER BY f.shard LIMIT %(want)s
   FOR UPDATE SKIP LOCKED
-) AND (l.owner IS NULL OR l.expires_at < now())
+)
+UPDATE {lease} AS l
+SET owner = %(me)s, fence = l.fence + 1, expires_at = now() + make_interval(secs => %(ttl_s)s)
+FROM picked
+WHERE l.shard = picked.shard AND (l.owner IS NULL OR l.expires_at < now())
 RETURNING l.shard, l.fence
 """
 
@@ -732,13 +739,16 @@ class PgRelayStore:
         # the estimates grow with the rows kept (history): the gauges' pending count over a
         # table of 300,000 published rows took 311 ms, of which 310 ms JIT compilation, for a
         # 0.6 ms query - every 5 s, on the database the relay drains (docs/performance.md).
-        options = ["-c TimeZone=UTC", "-c random_page_cost=1.1", "-c jit=off"]
+        # The URL's own ``options`` (``?options=-c search_path=...``) are kept, ours after
+        # them: psycopg's keyword argument replaces the URL's value (they were dropped).
+        options = [str(conninfo_to_dict(self.config.libpq_url).get("options") or "")]
+        options += ["-c TimeZone=UTC", "-c random_page_cost=1.1", "-c jit=off"]
         options.append(
             "-c statement_timeout=0" if self.role == "rebase" else "-c statement_timeout=60000"
         )
         if self.role.startswith("mark"):
             options.append("-c synchronous_commit=off")
-        return " ".join(options)
+        return " ".join(o for o in options if o)
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None or self._conn.closed:

@@ -365,3 +365,48 @@ async def test_notifications_yield_once_listening_then_on_a_commit(db: _Harness)
     await asyncio.to_thread(db.add, [rs.event(writer, "n", 1)])
     await asyncio.wait_for(waiting, 10)
     await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def test_acquire_takes_at_most_the_wanted_leases_whatever_the_plan(
+    engine: Engine, database_url: str
+) -> None:
+    """ACQUIRE_SHARDS picked its leases in an ``IN (SELECT ... LIMIT n FOR UPDATE SKIP
+    LOCKED)`` subquery. A nested-loop semi join re-runs that subquery for each lease row,
+    and each run skips the rows the statement already updated: it took every free lease, not
+    ``n`` (``make test`` under load, 2026-12-04: 4 of 4 instead of 2). The planner settings
+    in the URL force that plan; a materialized CTE runs the pick once whatever the plan."""
+    harness = _Postgres(engine, database_url)
+    forcing = "%20".join(  # libpq decodes %20, not "+"
+        f"-c%20enable_{name}%3Doff"
+        for name in ("hashjoin", "mergejoin", "memoize", "material", "sort", "hashagg")
+    )
+    separator = "&" if "?" in database_url else "?"
+    harness.database_url = f"{database_url}{separator}options={forcing}"
+    try:
+        a = await harness.store("a")
+        await a.ensure_leases(4)
+        assert await a.heartbeat(TTL_S) == 1
+        assert sorted(await a.acquire_shards(2, TTL_S, lo=0, hi=3)) == [(0, 1), (1, 1)]
+        assert sorted(await a.acquire_shards(9, TTL_S, lo=0, hi=3)) == [(2, 1), (3, 1)]
+    finally:
+        await harness.aclose()
+
+
+async def test_the_urls_own_options_reach_the_relays_connections(
+    engine: Engine, database_url: str
+) -> None:
+    """``?options=-c ...`` in the database URL (a search_path, a role setting) is kept: the
+    relay's own options (time zone, statement timeout, jit) were passed as psycopg's
+    ``options`` argument, which replaced the URL's."""
+    harness = _Postgres(engine, database_url)
+    separator = "&" if "?" in database_url else "?"
+    harness.database_url = f"{database_url}{separator}options=-c%20work_mem%3D7MB"
+    try:
+        store = await harness.store("a")
+        assert isinstance(store, PgRelayStore)
+        conn = await store._connection()
+        settings = await (await conn.execute("SHOW work_mem")).fetchone()
+        timeout = await (await conn.execute("SHOW statement_timeout")).fetchone()
+        assert (settings, timeout) == (("7MB",), ("1min",)), "the URL's and the relay's"
+    finally:
+        await harness.aclose()
