@@ -111,6 +111,19 @@ REQUEST_REPLAY: LiteralString = """
 UPDATE {table} SET status = 3, last_seen_at = now()
 WHERE consumer_group = :group AND event_id = ANY(CAST(:event_ids AS uuid[])) AND status = 2
 """
+# An operator's discard of a replayed dead letter (ledgerbox.admin): the REPLAY_REQUESTED
+# row goes back to DEAD_LETTERED, so the republished copy is acknowledged without running
+# (a discard is final). It waits for a delivery that holds the row (its transaction), and
+# then finds the row DONE: APPLIED names those, and the discard is refused.
+CANCEL_REPLAY: LiteralString = """
+UPDATE {table} SET status = 2, last_seen_at = now()
+WHERE consumer_group = :group AND event_id = ANY(CAST(:event_ids AS uuid[])) AND status = 3
+"""
+APPLIED: LiteralString = """
+SELECT event_id FROM {table}
+WHERE consumer_group = :group AND event_id = ANY(CAST(:event_ids AS uuid[])) AND status = 1
+ORDER BY event_id
+"""
 # Retention (G8, C18): a row goes only when it is older than the dedup window AND its record
 # can no longer come back to the group: below the group's committed offset of its partition
 # (and, with auto_offset_reset="earliest", below the partition's first offset still in the

@@ -26,7 +26,7 @@ from ledgerbox._core.errors import DatabaseError
 from ledgerbox._core.faults import Fault
 from ledgerbox.admin._table import AUDIT_TABLE, DLQ_ACTION_TABLE
 from ledgerbox.admin._types import ActionResult, AuditEntry, Database
-from ledgerbox.inbox._store import REQUEST_REPLAY
+from ledgerbox.inbox._store import APPLIED, CANCEL_REPLAY, REQUEST_REPLAY
 
 __all__ = ["AdminStore", "Audited", "async_url", "list_audit", "log_action"]
 
@@ -120,6 +120,8 @@ class AdminStore:
         self._dlq_states = sa.text(DLQ_STATES.format(**names))
         self._mark_dlq = sa.text(MARK_DLQ.format(**names))
         self._request_replay = sa.text(REQUEST_REPLAY.format(**names))
+        self._cancel_replay = sa.text(CANCEL_REPLAY.format(**names))
+        self._applied = sa.text(APPLIED.format(**names))
         self._engine: AsyncEngine = create_async_engine(
             async_url(db.url), poolclass=sa.pool.NullPool, connect_args=connect_args(db.url)
         )
@@ -283,6 +285,21 @@ class AdminStore:
         of ``event_ids`` become REPLAY_REQUESTED; returns how many."""
         params = {"group": group, "event_ids": list(event_ids)}
         return int((await conn.execute(self._request_replay, params)).rowcount)
+
+    async def cancel_replay(
+        self, conn: AsyncConnection, group: str, event_ids: Sequence[uuid.UUID]
+    ) -> int:
+        """A discard's hook in ``conn``'s transaction: ``group``'s REPLAY_REQUESTED rows of
+        ``event_ids`` go back to DEAD_LETTERED; returns how many."""
+        params = {"group": group, "event_ids": list(event_ids)}
+        return int((await conn.execute(self._cancel_replay, params)).rowcount)
+
+    async def applied(
+        self, conn: AsyncConnection, group: str, event_ids: Sequence[uuid.UUID]
+    ) -> list[uuid.UUID]:
+        """Which of ``event_ids`` ``group`` applied (its inbox row is DONE)."""
+        params = {"group": group, "event_ids": list(event_ids)}
+        return [uuid.UUID(str(e)) for e in (await conn.execute(self._applied, params)).scalars()]
 
     async def aclose(self) -> None:
         """Release the engine."""

@@ -16,8 +16,10 @@ The target group's next delivery takes the REPLAY_REQUESTED row over and runs th
 once; every other group acknowledges the record without running anything (it applied the
 event already, or dead-lettered it itself: final for it). A replay of an event the group
 applied meanwhile is a duplicate for it (the inbox row is DONE, never REPLAY_REQUESTED).
-A discard only records the decision (Kafka cannot delete a record): lists hide the record
-and a replay refuses it.
+A discard records the decision (Kafka cannot delete a record): lists hide the record and a
+replay refuses it; the group's inbox row stays (or, for a replay not applied yet, goes back
+to) DEAD_LETTERED, so the group never runs the event; a replay already applied cannot be
+discarded.
 """
 
 from __future__ import annotations
@@ -457,6 +459,14 @@ async def replay_dlq_records(
     return result
 
 
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _refusal(record: DlqRecord) -> str | None:
     if record.state == "discarded":
         return "it was discarded (a discard is final)"
@@ -469,9 +479,7 @@ def _refusal(record: DlqRecord) -> str | None:
         return "it names no source topic/partition (not a ledgerbox dead letter)"
     if record.event_id is None:
         return "it has no event id (ce_id): it was not a ledgerbox event; fix its producer"
-    try:
-        uuid.UUID(record.event_id)
-    except ValueError:
+    if not _is_uuid(record.event_id):
         return f"its event id {record.event_id!r} is not a UUID"
     return None
 
@@ -520,12 +528,22 @@ async def discard_dlq_records(
     dry_run: bool = False,
 ) -> ActionResult:
     """Discard dead-letter records: recorded in ``ledgerbox_dlq_action`` (Kafka cannot
-    delete a record), so lists hide them and a replay refuses them. The inbox rows stay
-    DEAD_LETTERED (final): the groups never run those events. Parameters and errors as
-    :func:`replay_dlq_records` (no Kafka write; ``changed``: records discarded). A record
-    discarded already is refused (:class:`~ledgerbox.admin.RefusedError`, no audit row), as
+    delete a record), so lists hide them and a replay refuses them. The inbox rows stay, or
+    go back to, DEAD_LETTERED (final): the groups never run those events. A record replayed
+    and not applied yet has its replay cancelled (the group's row goes from REPLAY_REQUESTED
+    back to DEAD_LETTERED, so the republished copy is acknowledged without running); one
+    whose replay the group already applied is refused. Before 2026-12-04 a discard after a
+    replay left the row REPLAY_REQUESTED and the group ran the discarded event (newcomer
+    review). Parameters and errors as :func:`replay_dlq_records` (no Kafka write;
+    ``changed``: records discarded; the inbox table is checked first). A record discarded
+    already is refused (:class:`~ledgerbox.admin.RefusedError`, no audit row), as
     ``relay dead discard`` refuses an event that is no longer dead-lettered.
     """
+    store = AdminStore(db)
+    try:  # the discard updates the inbox table: a wrong --inbox-table is refused first
+        await store.check_inbox()
+    finally:
+        await store.aclose()
     chosen, filters = await _select(kafka, db, refs, filter)
     for decoded, _record in chosen:
         if decoded.state == "discarded":  # as `relay dead discard` refuses a second discard
@@ -548,6 +566,23 @@ async def discard_dlq_records(
                 ids=ids,
                 changed=0 if dry_run else len(fresh),
             )
+            by_group: dict[str, list[tuple[uuid.UUID, DlqRecord]]] = {}
+            for d in fresh:
+                if d.group is not None and d.event_id is not None and _is_uuid(d.event_id):
+                    by_group.setdefault(d.group, []).append((uuid.UUID(d.event_id), d))
+            for group, events in sorted(by_group.items()):
+                ids_of_group = [e for e, _d in events]
+                if not dry_run:  # waits for a delivery holding the row, then sees it DONE
+                    await store.cancel_replay(conn, group, ids_of_group)
+                done = set(await store.applied(conn, group, ids_of_group))
+                late = [d.ref for e, d in events if e in done]
+                if late:  # the transaction rolls back: nothing changed, nothing audited
+                    raise RefusedError(
+                        f"cannot discard {', '.join(late)}: group {group} applied "
+                        f"{'it' if len(late) == 1 else 'them'} after a replay (its effect "
+                        "committed; a discard cannot undo it); nothing changed, nothing "
+                        "audited"
+                    )
             if not dry_run:
                 for topic in sorted({d.dlq_topic for d in fresh}):
                     marks = [

@@ -237,13 +237,8 @@ async def test_dlq_replay_reaches_only_its_group_once_in_order_and_discard_is_fi
         assert [r["ref"] for r in json.loads(out.stdout)] == refs
         text = _cli("dlq", "list", "--dlq-topic", dlq, "--all", **env)
         assert text.returncode == 0 and refs[2] in text.stdout and "discarded" in text.stdout
-        out = _cli("dlq", "discard", refs[0], "--dry-run", "--actor", "cli", "--json", **env)
-        assert out.returncode == 0, out.stderr
-        result = json.loads(out.stdout)
-        assert (result["dry_run"], result["changed"], result["actor"]) == (True, 0, "cli")
-        assert "operator action consumer.dlq.discard by cli" in out.stderr
-        assert "dry_run=True" in out.stderr
         for args, message in [
+            (("dlq", "discard", refs[0], "--dry-run"), f"group {group_a} applied it after a"),
             (("dlq", "replay", "not-a-ref"), "is not a dead-letter record reference"),
             (("dlq", "replay", f"{dlq}:0:999"), f"no record {dlq}:0:999"),
             (("dlq", "replay", refs[2]), "it was discarded"),
@@ -314,3 +309,54 @@ async def test_a_second_discard_and_a_missing_inbox_table_are_refused_without_an
         (f"{dlq}:0:0", "discarded"),
         (f"{dlq}:0:1", "dead"),
     ]
+
+
+async def test_a_discard_after_a_replay_cancels_it_or_is_refused_once_applied(
+    database_url: str, engine: Engine, kafka_bootstrap: str, new_topic: Any
+) -> None:
+    """Newcomer review, 2026-12-04: `dlq replay` then `dlq discard` of the same record was
+    accepted, the inbox row stayed REPLAY_REQUESTED, and the group ran the discarded event
+    (a payment the operator gave up on was charged). Now the discard cancels a replay not
+    applied yet (the row goes back to DEAD_LETTERED, the republished copy is acknowledged
+    without running), and is refused - nothing changed, nothing audited - for a replay the
+    group already applied."""
+    topic = await new_topic.acreate("ops-dlq-cancel", partitions=1)
+    dlq = await new_topic.acreate("ops-dlq-cancel-dlq", partitions=1)
+    group = f"ops-cancel-{uuid.uuid4().hex[:6]}"
+    broken = {"C1", "C2"}
+    consumer = _consumer(database_url, kafka_bootstrap, topic, dlq, group, broken)
+    events = [order_event(topic, order) for order in ("C1", "C2")]
+    await produce(kafka_bootstrap, topic, events)
+    kafka = admin.KafkaSettings(bootstrap_servers=kafka_bootstrap)
+    db = admin.Database(url=database_url)
+    source = await _read_all(kafka_bootstrap, topic, 2)
+    assert await consumer.process_batch(source) == [Outcome.DEAD_LETTERED] * 2
+    refs = [r.ref for r in await admin.list_dlq_records(kafka, db, admin.DlqFilter(dlq_topic=dlq))]
+    broken.clear()  # the bug is fixed, but the operator gives C1 up after replaying it
+    await admin.replay_dlq_records(kafka, db, refs, actor="alice")
+    assert _inbox_status(engine, group, events[0].event_id) == InboxStatus.REPLAY_REQUESTED
+
+    env = {"DATABASE_URL": database_url, "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap}
+    out = _cli("dlq", "discard", refs[0], "--dry-run", "--actor", "cli", "--json", **env)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert (result["dry_run"], result["changed"], result["actor"]) == (True, 0, "cli")
+    assert "operator action consumer.dlq.discard by cli" in out.stderr
+    assert "dry_run=True" in out.stderr
+    assert _inbox_status(engine, group, events[0].event_id) == InboxStatus.REPLAY_REQUESTED
+    discarded = await admin.discard_dlq_records(kafka, db, [refs[0]], actor="bob")
+    assert discarded.changed == 1
+    assert _inbox_status(engine, group, events[0].event_id) == InboxStatus.DEAD_LETTERED
+    copies = (await _read_all(kafka_bootstrap, topic, 4))[2:]
+    assert await consumer.process_batch(copies) == [
+        Outcome.ALREADY_DEAD_LETTERED,
+        Outcome.APPLIED,
+    ], "the discarded C1 does not run; C2's replay does"
+    assert _applied(engine, group) == ["C2"]
+
+    before = _audit_count(engine)
+    for dry_run in (True, False):
+        with pytest.raises(admin.RefusedError, match=f"group {group} applied it after a replay"):
+            await admin.discard_dlq_records(kafka, db, [refs[1]], actor="bob", dry_run=dry_run)
+    assert _audit_count(engine) == before, "nothing audited"
+    assert _inbox_status(engine, group, events[1].event_id) == InboxStatus.DONE
