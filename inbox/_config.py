@@ -13,7 +13,6 @@ from ledgerbox._core.durations import check_duration
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import inbox_table_name, named, sql_identifier
 from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
-from ledgerbox._core.redaction import remember_url
 from ledgerbox._core.redis_url import check_redis_url
 
 __all__ = ["DEFAULT_RETENTION_S", "STOP_TIMEOUT_S", "ConsumerConfig", "OnUnhandled"]
@@ -191,8 +190,6 @@ class ConsumerConfig:
     def __post_init__(self) -> None:
         if not self.group_id:
             raise ConfigurationError("group_id must not be empty")
-        remember_url(self.database_url)
-        remember_url(self.redis_url)
         check_database_url(self.database_url, reader="sqlalchemy")  # never connects: not waited for
         if self.redis_url is not None:
             check_redis_url(self.redis_url)  # a Redis that is down is not found here

@@ -91,10 +91,9 @@ def migrate(values: Values, ctx: typer.Context) -> None:
         outbox_table_name,
         sql_identifier,
     )
-    from ledgerbox._core.redaction import remember_url, scrub
+    from ledgerbox._core.redaction import scrub
 
     url = values["database_url"]
-    remember_url(url)  # its password is scrubbed from every line below
     try:  # the daemons' check: a URL that can never connect (mysql://, port 70000) is refused
         check_database_url(url, reader="sqlalchemy")
         migrations._check_revision(values["revision"])  # before any connection

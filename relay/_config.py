@@ -19,7 +19,6 @@ from ledgerbox._core.identifiers import (
 )
 from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
-from ledgerbox._core.redaction import remember_url
 
 __all__ = ["STOP_TIMEOUT_S", "Compression", "OnDeadLetter", "RelayConfig"]
 
@@ -163,7 +162,6 @@ class RelayConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.database_url), "database_url", "must not be empty")
-        remember_url(self.database_url)
         check_database_url(self.database_url)  # one that can never connect: not waited for
         object.__setattr__(self, "_kafka", resolve_kafka(self.kafka, self.kafka_bootstrap_servers))
         named(outbox_table_name, self.outbox_table, "outbox table name", "outbox_table")

@@ -6,12 +6,13 @@ Three tools, used at every edge that prints or logs:
   ``***``; only :meth:`Secret.reveal` gives the value, to the driver that needs it.
 * :func:`redact_url` drops the password (and a ``password=`` query parameter) of a URL, for
   log lines and messages.
-* :func:`remember` / :func:`scrub`: a process-wide set of the secret values in use (the
-  configs add theirs when they are built). :func:`scrub` replaces every one of them in a text
-  by ``***`` where it stands on its own (not inside a longer word: a password ``postgres``
-  leaves ``postgresql`` alone); the commands apply it to what they print and
+* :func:`scrub`: a text with the password of every URL in it, and the value of every
+  ``password=``-like field (a libpq conninfo, a query, a ``'password': ...`` mapping, a
+  ``Bearer`` token), replaced by ``***``; the commands apply it to what they print and
   :class:`ScrubFilter` to every log record, a safety net under the rule that no message is
-  built with a secret in it.
+  built with a secret in it. It masks by position, never by value: a password that is also
+  a user name, a database name or an ordinary word ("wrong", "server") leaves the rest of
+  the message as it was (masking every occurrence of the value said which word it was).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import hmac
 import logging
 import re
-import threading
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -30,27 +30,37 @@ __all__ = [
     "Secret",
     "install_scrub_filter",
     "redact_url",
-    "remember",
-    "remember_url",
     "scrub",
 ]
 
 #: What a secret prints as.
 MASK = "***"
 
-# Shorter values are not scrubbed from texts: "pw" would mangle every line that holds it.
-_MIN_SCRUBBED = 4
-_KNOWN: set[str] = set()
-_KNOWN_LOCK = threading.Lock()
-_PATTERN: list[re.Pattern[str] | None] = [None]  # built on first scrub after a remember
+_SECRET_QUERY_KEYS = frozenset({"password", "sslpassword", "pass", "token", "secret"})
+_KEYS = "|".join(sorted(_SECRET_QUERY_KEYS, key=len, reverse=True))
+
+# A URL's userinfo password: ``scheme://user:PASSWORD@host``. The password runs to the last
+# ``@`` of the token (libpq and urllib split the netloc at its last ``@``; SQLAlchemy accepts
+# a ``/`` in it), never across a space or a quote.
+_URL_PASSWORD = re.compile(r"""(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/?#@:'"]*:)[^\s'"<>]*@""")
+# ``password=value`` (libpq conninfo, URL query), the value quoted or not.
+_FIELD = re.compile(
+    rf"""(?P<head>(?<![A-Za-z0-9_])(?:{_KEYS})=)(?:'(?:[^'\\]|\\.)*'|[^\s&'"]*)""",
+    re.IGNORECASE,
+)
+# ``'password': 'value'`` (a dict's repr, JSON).
+_MAPPING = re.compile(
+    rf"""(?P<head>(?P<q>['"])(?:{_KEYS})(?P=q)\s*:\s*)(?P<v>['"])(?:(?!(?P=v)).)*(?P=v)""",
+    re.IGNORECASE,
+)
+_BEARER = re.compile(r"(?P<head>\bBearer\s+)[^\s'\",]+", re.IGNORECASE)
 
 
 class Secret:
     """A secret string (password, token, key passphrase) that never prints.
 
     ``str(s)``, ``repr(s)`` and formatting show ``***``; :meth:`reveal` returns the value.
-    Two secrets are equal when their values are (compared in constant time). Building one
-    :func:`remember`\\ s the value, so that :func:`scrub` masks it wherever it would appear.
+    Two secrets are equal when their values are (compared in constant time).
 
     Parameters
     ----------
@@ -73,7 +83,6 @@ class Secret:
         if not isinstance(value, str):
             raise TypeError(f"a secret must be a str, got {type(value).__name__}")
         self._value = value
-        remember(value)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Secret:
@@ -116,53 +125,15 @@ class Secret:
         raise TypeError("a Secret is not pickled (it would leave the process in clear)")
 
 
-def remember(value: str | None) -> None:
-    """Add ``value`` to the secrets :func:`scrub` masks (no-op for ``None`` and values
-    shorter than 4 characters, which would mask ordinary words)."""
-    if value and len(value) >= _MIN_SCRUBBED:
-        with _KNOWN_LOCK:
-            before = len(_KNOWN)
-            _KNOWN.add(value)
-            # Also as it appears inside a URL (percent-encoded).
-            quoted = urllib.parse.quote(value, safe="")
-            if quoted != value:
-                _KNOWN.add(quoted)
-            if len(_KNOWN) != before:
-                _PATTERN[0] = None
-
-
-def remember_url(url: str | None) -> None:
-    """:func:`remember` the password of ``url`` (userinfo or ``password=`` query), if any."""
-    if not url:
-        return
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:
-        return
-    if parts.password:
-        remember(urllib.parse.unquote(parts.password))
-        remember(parts.password)
-    for key, value in urllib.parse.parse_qsl(parts.query):
-        if key.lower() in _SECRET_QUERY_KEYS:
-            remember(value)
-
-
 def scrub(text: str) -> str:
-    """``text`` with every remembered secret replaced by ``***`` (longest first), where it is
-    not part of a longer word (no letter, digit or ``_`` right before or after it)."""
-    with _KNOWN_LOCK:
-        pattern = _PATTERN[0]
-        if pattern is None and _KNOWN:
-            values = sorted(_KNOWN, key=len, reverse=True)
-            alternatives = "|".join(re.escape(v) for v in values)
-            pattern = re.compile(rf"(?<![A-Za-z0-9_])(?:{alternatives})(?![A-Za-z0-9_])")
-            _PATTERN[0] = pattern
-    if pattern is None:
-        return text
-    return pattern.sub(MASK, text)
-
-
-_SECRET_QUERY_KEYS = frozenset({"password", "sslpassword", "pass", "token", "secret"})
+    """``text`` with the password of every URL in it (``scheme://user:***@host``) and the value
+    of every password-like field (``password=***``, ``'password': '***'``, ``Bearer ***``)
+    replaced by ``***``. Nothing else of the text changes: it masks by position, never by
+    value."""
+    text = _URL_PASSWORD.sub(lambda m: f"{m['head']}{MASK}@", text)
+    text = _FIELD.sub(lambda m: f"{m['head']}{MASK}", text)
+    text = _MAPPING.sub(lambda m: f"{m['head']}{m['v']}{MASK}{m['v']}", text)
+    return _BEARER.sub(lambda m: f"{m['head']}{MASK}", text)
 
 
 def redact_url(url: str) -> str:
@@ -188,8 +159,9 @@ def redact_url(url: str) -> str:
 
 
 class ScrubFilter(logging.Filter):
-    """A logging filter that masks every remembered secret in a record's message (its
-    arguments are merged first) and in the text of an attached exception."""
+    """A logging filter that masks the URL passwords and password fields (:func:`scrub`) in
+    a record's message (its arguments are merged first) and in the text of an attached
+    exception."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:

@@ -461,3 +461,41 @@ def test_a_database_that_does_not_exist_is_named_in_the_line(
     line = (result.stdout + result.stderr).strip()
     assert "refused the login of user 'nobody_ops' to database 'nobody_ops'" in line, line
     assert "(the URL names no database: libpq took the user name)" in line, line
+
+
+# -- a password that is also a word of the message ---------------------------------------
+
+
+@pytest.mark.parametrize("password", ["same-as-user", "wrong", "server"])
+@pytest.mark.parametrize(
+    ("args", "prefix"),
+    [
+        (["relay", "check"], "relay down: "),
+        (["relay", "run"], "ledgerbox relay: "),
+        (["relay", "status"], "ledgerbox relay status: "),
+        (["consumer", "check"], "down: "),
+    ],
+    ids=["relay-check", "relay-run", "relay-status", "consumer-check"],
+)
+def test_the_password_is_never_masked_where_it_appears_as_another_word(
+    args: list[str], prefix: str, password: str, database_server_url: str, kafka_bootstrap: str
+) -> None:
+    # Before: the lines were scrubbed by substring: a password equal to the user name printed
+    # "the login of user '***'" (which said what the password was), "wrong" made "a *** or
+    # missing password", "server" made "the database *** at ... connection to *** at".
+    url = sa.make_url(database_server_url)
+    secret = url.username if password == "same-as-user" else password
+    bad = url.set(password=secret, database="nosuch_scrub_db")
+    result = _cli(
+        *args, "--database-url", bad.render_as_string(hide_password=False),
+        env={"KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap},
+    )  # fmt: skip
+    assert result.returncode == 2, result
+    line = (result.stdout + result.stderr).strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+    assert line.startswith(
+        f"{prefix}the database server at {url.host}:{url.port} refused the login of user "
+        f"{url.username!r} to database 'nosuch_scrub_db' (connect"
+    ), line
+    assert "connection to server at" in line and "a wrong or missing password" in line, line
+    assert "***" not in line, line
