@@ -26,11 +26,13 @@ from typing import Any
 import typer
 
 from ledgerbox._core import telemetry
+from ledgerbox._core.database_url import database_label
 from ledgerbox._core.durations import check_duration
 from ledgerbox._core.endpoint import DEFAULT_HOST, check_port, serve_metrics
 from ledgerbox._core.errors import ConfigurationError, LedgerboxError
 from ledgerbox._core.event_loop import EVENT_LOOP_SETTING, runner
 from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settings
+from ledgerbox._core.operator_failures import failure_line, quiet_kafka_client
 from ledgerbox._core.operator_settings import OPERATOR_FILTERS
 from ledgerbox._core.redaction import install_scrub_filter, scrub
 from ledgerbox._core.references import first_line, import_reference
@@ -56,7 +58,7 @@ app = typer.Typer(
 )
 
 
-def _refused(command: str, exc: BaseException) -> typer.Exit:
+def _refused(command: str, exc: BaseException | str) -> typer.Exit:
     # An expected refusal (settings, credentials, a purge inside the dedup window): one line.
     typer.echo(scrub(f"ledgerbox consumer {command}: {exc}"), err=True)
     return typer.Exit(2)
@@ -306,14 +308,25 @@ def purge_command(values: Values, ctx: typer.Context) -> None:
         except ConfigurationError as exc:
             CONSUMER_SETTINGS.fail(exc, values)
     consumer = _load("purge", values)
+
+    async def purge() -> int:
+        try:
+            return await consumer.purge(values["older_than_s"])
+        finally:
+            await consumer.aclose()
+
+    # Inside the dedup window, Kafka or the database away, the tables missing: one line with
+    # the fix, as every operator command says it.
+    config = consumer.config
+    quiet_kafka_client()
     try:
-
-        async def purge() -> int:
-            try:
-                return await consumer.purge(values["older_than_s"])
-            finally:
-                await consumer.aclose()
-
-        typer.echo(f"deleted {asyncio.run(purge())} inbox rows")
-    except LedgerboxError as exc:  # inside the dedup window, Kafka or the database away
-        raise _refused("purge", exc) from None
+        deleted = asyncio.run(purge())
+    except LedgerboxError as exc:
+        line = failure_line(
+            exc,
+            database_at=database_label(config.database_url),
+            url_flag="database_url",
+            kafka=config.kafka_settings,
+        )
+        raise _refused("purge", line) from None
+    typer.echo(f"deleted {deleted} inbox rows")

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
-from ledgerbox._core.database_url import database_remedy
-from ledgerbox._core.errors import BrokerError, ConfigurationError, DatabaseError, LedgerboxError
+from ledgerbox._core.errors import ConfigurationError, LedgerboxError
+from ledgerbox._core.operator_failures import failure_line, quiet_kafka_client
 from ledgerbox._core.redaction import scrub
 from ledgerbox._core.settings import CommandSettings, Values
 
@@ -26,7 +26,6 @@ __all__ = [
     "fail",
     "log_actions",
     "print_json",
-    "quiet_kafka_client",
     "run",
     "setting_problem",
     "short",
@@ -34,9 +33,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-#: Seconds the probe may take after a Kafka client of an operator command reached no broker.
-PROBE_S = 5.0
 
 
 def fail(command: str, exc: BaseException | str) -> typer.Exit:
@@ -53,27 +49,15 @@ def run(
     kafka: KafkaSettings | None = None,
 ) -> T:
     """Run the coroutine; an expected failure (a LedgerboxError) is one line and exit 2
-    (the Kafka client's own log lines kept off stderr: :func:`quiet_kafka_client`). A
-    failed call to ``db`` says what to do about it
-    (:func:`ledgerbox._core.database_url.database_remedy`: start the server at host:port,
-    run ``ledgerbox migrate``, ...). A Kafka client of ``kafka`` that reached no broker is
-    looked at once more by the startup probe (at most :data:`PROBE_S`): a listener that
-    refused our TLS or SASL settings is said as such, with its fix, not as "unreachable"."""
+    (:func:`ledgerbox._core.operator_failures.failure_line`: a failed call to ``db`` says
+    what to do about it, a Kafka client of ``kafka`` that reached no broker is probed once
+    more; the Kafka client's own log lines are kept off stderr)."""
     quiet_kafka_client()
     try:
         return asyncio.run(make())
-    except DatabaseError as exc:
-        raise fail(command, database_remedy(exc, db.label) if db else exc) from None
-    except BrokerError as exc:
-        if kafka is not None and exc.no_broker:
-            from ledgerbox._core.kafka_probe import probe_kafka
-
-            problem = asyncio.run(probe_kafka(kafka, timeout_s=PROBE_S))
-            if problem is not None and problem.permanent:
-                raise fail(command, problem.cause) from None
-        raise fail(command, exc) from None
     except LedgerboxError as exc:
-        raise fail(command, exc) from None
+        where = db.label if db is not None else None
+        raise fail(command, failure_line(exc, database_at=where, kafka=kafka)) from None
 
 
 def database(
@@ -139,14 +123,3 @@ def log_actions() -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-
-
-def quiet_kafka_client() -> None:
-    """Keep the Kafka client's own log lines (``aiokafka``: "Unable connect to ...") off
-    stderr in an operator command: without a configured handler Python prints them through
-    its last-resort handler, before the command's one line, which already names the failure
-    (the client's error is translated into ``ledgerbox.BrokerError``). A handler configured
-    on the root logger still receives them."""
-    log = logging.getLogger("aiokafka")
-    if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
-        log.addHandler(logging.NullHandler())

@@ -15,6 +15,7 @@ Kafka: every expected failure is ONE line on stderr with the cause AND the fix, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -499,3 +500,86 @@ def test_the_password_is_never_masked_where_it_appears_as_another_word(
     ), line
     assert "connection to server at" in line and "a wrong or missing password" in line, line
     assert "***" not in line, line
+
+
+# -- consumer purge: the operator commands' one line ---------------------------------------
+
+_PURGE_APP = """
+import os
+
+from ledgerbox.inbox import ConsumerConfig, InboxConsumer
+
+consumer = InboxConsumer(
+    ConsumerConfig(
+        group_id=os.environ["PURGE_GROUP"],
+        topics=[os.environ["PURGE_TOPIC"]],
+        database_url=os.environ["DATABASE_URL"],
+        kafka_bootstrap_servers=os.environ["KAFKA_BOOTSTRAP_SERVERS"],
+    )
+)
+"""
+
+
+@pytest.fixture
+def purge_app(tmp_path: Path, kafka_bootstrap: str, new_topic: TopicFactory) -> dict[str, str]:
+    """The env of ``consumer purge --app purge_app:consumer``: a group that committed an
+    offset (else purge has nothing to ask the database)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    (tmp_path / "purge_app.py").write_text(_PURGE_APP)
+    topic, group = new_topic("purge", partitions=1), f"purge-{uuid.uuid4().hex[:8]}"
+
+    async def commit() -> None:
+        probe = AIOKafkaConsumer(
+            bootstrap_servers=kafka_bootstrap, group_id=group, enable_auto_commit=False
+        )
+        await probe.start()
+        try:
+            probe.assign([TopicPartition(topic, 0)])
+            await probe.commit({TopicPartition(topic, 0): 0})
+        finally:
+            await probe.stop()
+
+    asyncio.run(commit())
+    return {
+        "PYTHONPATH": str(tmp_path),
+        "PURGE_GROUP": group,
+        "PURGE_TOPIC": topic,
+        "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+    }
+
+
+def test_consumer_purge_says_what_to_do_about_the_database_and_kafka_in_one_line(
+    purge_app: dict[str, str], database_server_url: str, empty_database_url: str
+) -> None:
+    # Before: "purge failed: OperationalError: ... does not exist", "UndefinedTable (SQLSTATE
+    # 42P01): relation "inbox" does not exist", a raw OperationalError for a server that is
+    # down, and aiokafka's "Unable connect to ..." line before ledgerbox's own.
+    url = sa.make_url(database_server_url)
+    server = f"{url.host}:{url.port}"
+    prefix = "ledgerbox consumer purge: "
+
+    def purge(database: str, **env: str) -> str:
+        result = _cli(
+            "consumer", "purge", "--app", "purge_app:consumer",
+            env={**purge_app, "DATABASE_URL": database, **env},
+        )  # fmt: skip
+        assert result.returncode == 2, result
+        assert result.stdout == ""
+        line = _one_line(result)
+        assert line.startswith(prefix), line
+        return line.removeprefix(prefix)
+
+    missing = url.set(database="nosuch_purge_db").render_as_string(hide_password=False)
+    line = purge(missing)
+    assert line.startswith(
+        f"the database server at {server} refused the login of user {url.username!r} to "
+        "database 'nosuch_purge_db' ("
+    ), line
+    assert line.endswith("fix the user, the password or the database name of database_url")
+    assert "run `ledgerbox migrate`" in purge(empty_database_url)
+    line = purge(DOWN_URL)
+    assert line.startswith("the database at 127.0.0.1:1/orders is unreachable ("), line
+    assert line.endswith("start the server at 127.0.0.1:1, or fix the host/port of database_url")
+    line = purge(empty_database_url, KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1")
+    assert "Kafka is unreachable at 127.0.0.1:1" in line, line
