@@ -45,6 +45,7 @@ __all__ = [
     "cli_settings",
     "parse_server",
     "resolve_kafka",
+    "server_list",
 ]
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
@@ -116,13 +117,12 @@ class KafkaSettings:
             value = getattr(self, name)
             if value is not None and not isinstance(value, Secret):
                 object.__setattr__(self, name, Secret(value))
-        servers = [s.strip() for s in (self.bootstrap_servers or "").split(",")]
-        if not any(servers):
+        servers = server_list(self.bootstrap_servers)
+        if not servers:
             raise _bad("bootstrap_servers", "must not be empty")
         for server in servers:
-            if server:
-                parse_server(server)  # a malformed address: refused here, once
-        object.__setattr__(self, "bootstrap_servers", ",".join(s for s in servers if s))
+            parse_server(server)  # a malformed address: refused here, once
+        object.__setattr__(self, "bootstrap_servers", ",".join(servers))
         protocol = self.security_protocol
         if protocol not in SECURITY_PROTOCOLS:
             raise _bad("security_protocol", f"must be one of {', '.join(SECURITY_PROTOCOLS)}")
@@ -459,9 +459,7 @@ def resolve_kafka(kafka: KafkaSettings | None, bootstrap_servers: str | None) ->
             return KafkaSettings(bootstrap_servers=bootstrap_servers)
         except ConfigurationError as exc:
             raise ConfigurationError(str(exc), setting="kafka_bootstrap_servers") from None
-    if bootstrap_servers and bootstrap_servers.replace(" ", "") != kafka.bootstrap_servers.replace(
-        " ", ""
-    ):
+    if server_list(bootstrap_servers) not in ([], server_list(kafka.bootstrap_servers)):
         raise ConfigurationError(
             "kafka_bootstrap_servers and kafka.bootstrap_servers differ: give one",
             setting="kafka_bootstrap_servers",
@@ -493,6 +491,12 @@ def _import_provider(reference: str) -> AbstractTokenProvider:
         )
     provider: AbstractTokenProvider = target
     return provider
+
+
+def server_list(bootstrap_servers: str | None) -> list[str]:
+    """The servers of a ``host:port[,host:port]`` text, stripped; empty entries (a comma at
+    either end, ``,,``) are ignored by every command and config, as by the Kafka clients."""
+    return [s.strip() for s in (bootstrap_servers or "").split(",") if s.strip()]
 
 
 #: The port of a bootstrap server given without one (``kafka1`` is ``kafka1:9092``), as

@@ -258,6 +258,25 @@ def test_relay_and_consumer_configs_take_the_settings_or_the_short_form() -> Non
         ConsumerConfig(group_id="g", topics=["t"], database_url=url)
 
 
+@pytest.mark.parametrize("servers", ["k:9092,", ",k:9092", "k:9092,,", " k:9092 , "])
+def test_empty_entries_of_the_bootstrap_servers_are_ignored_by_every_config(servers: str) -> None:
+    # Before: the relay's CLI, which gives both kafka= and kafka_bootstrap_servers=, refused
+    # 'k:9092,' with "kafka_bootstrap_servers and kafka.bootstrap_servers differ: give one",
+    # while the consumer commands accepted it (KafkaSettings ignores empty entries).
+    url = "postgresql+psycopg://u:p@db/app"
+    kafka = KafkaSettings(bootstrap_servers=servers)
+    assert kafka.bootstrap_servers == "k:9092"
+    for given in ({"kafka": kafka}, {}):
+        relay = RelayConfig(database_url=url, kafka_bootstrap_servers=servers, **given)
+        consumer = ConsumerConfig(
+            group_id="g", topics=["t"], database_url=url, kafka_bootstrap_servers=servers, **given
+        )
+        assert relay.kafka_settings.bootstrap_servers == "k:9092"
+        assert consumer.kafka_settings.bootstrap_servers == "k:9092"
+    with pytest.raises(ConfigurationError, match="differ"):
+        RelayConfig(database_url=url, kafka_bootstrap_servers="k:9092,x:1", kafka=kafka)
+
+
 # -- the command line -----------------------------------------------------------------------
 
 
