@@ -112,7 +112,9 @@ def migrate(values: Values, ctx: typer.Context) -> None:
     except ConfigurationError as exc:
         MIGRATE_SETTINGS.fail(ConfigurationError(str(exc), setting="outbox_table"), values)
     try:
+        before = migrations._current_revision(url, names)
         migrations.upgrade_database(url, names, values["revision"])
+        after = migrations._current_revision(url, names)
     except CommandError as exc:  # Alembic: a relative target that does not resolve, ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         line = (
@@ -135,7 +137,18 @@ def migrate(values: Values, ctx: typer.Context) -> None:
             line = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         typer.echo(scrub(f"migrate failed: {line}"), err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"ledgerbox tables at {values['revision']} ({names.schema or 'search path'})")
+    # The revision the database is at now, not the one asked for: `--revision 0001` on a
+    # database at 0003 changes nothing (Alembic's upgrade never goes back), and says so.
+    where = f"ledgerbox tables at {after or 'base'} ({names.schema or 'search path'})"
+    asked = values["revision"]
+    rank = {"base": -1} | {r: i for i, r in enumerate(migrations._revisions())}
+    if before == after and after in rank and asked in rank and rank[asked] < rank[after]:
+        where += (
+            f", past the requested {asked}: nothing done (`ledgerbox migrate` only upgrades; "
+            "to go back, stop the relays and run alembic.command.downgrade("
+            f"ledgerbox.migrations.alembic_config(url, names), {asked!r}): docs/migrations.md)"
+        )
+    typer.echo(where)
 
 
 def main() -> None:

@@ -113,6 +113,25 @@ def upgrade_database(url: str, names: Names | None = None, revision: str = "head
     command.upgrade(alembic_config(url, names), revision)
 
 
+def _current_revision(url: str, names: Names | None = None) -> str | None:
+    """The ledgerbox schema revision the database at ``url`` is at (its
+    ``ledgerbox_alembic_version`` row), ``None`` before the first migration (``ledgerbox
+    migrate`` calls it; not public API)."""
+    from alembic.runtime.migration import MigrationContext
+
+    names = names or Names()
+    url = sqlalchemy_url(url)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool, connect_args=connect_args(url))
+    try:
+        with engine.connect() as conn:
+            context = MigrationContext.configure(
+                conn, opts={"version_table": VERSION_TABLE, "version_table_schema": names.schema}
+            )
+            return context.get_current_revision()
+    finally:
+        engine.dispose()
+
+
 def _refuse_foreign_tables(url: str, names: Names) -> None:
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool, connect_args=connect_args(url))
     try:  # an unreachable database raises here, once (not again in Alembic's connect)

@@ -312,3 +312,29 @@ def test_migrate_names_the_user_and_the_database_of_a_refused_login(database_url
     assert (
         "or no database 'nosuch_db_for_migrate' there: fix the user, the password or the " in line
     )
+
+
+def test_migrate_prints_the_revision_the_database_is_at_and_says_when_it_is_ahead(
+    database_url: str, engine: Engine
+) -> None:
+    # Before: `--revision 0001` on a database at 0003 printed "ledgerbox tables at 0001 (s)",
+    # exit 0, the database still at 0003 (the line echoed the revision asked for).
+    db = ["--database-url", database_url, "--schema", "cli_ahead"]
+    first = _run("migrate", *db, "--revision", "0002")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.splitlines() == ["ledgerbox tables at 0002 (cli_ahead)"]
+    head = _run("migrate", *db)
+    assert head.stdout.splitlines() == ["ledgerbox tables at 0003 (cli_ahead)"], head
+    back = _run("migrate", *db, "--revision", "0001")
+    assert back.returncode == 0, back.stderr
+    assert back.stdout.splitlines() == [
+        "ledgerbox tables at 0003 (cli_ahead), past the requested 0001: nothing done "
+        "(`ledgerbox migrate` only upgrades; to go back, stop the relays and run "
+        "alembic.command.downgrade(ledgerbox.migrations.alembic_config(url, names), '0001'): "
+        "docs/migrations.md)"
+    ]
+    with engine.connect() as conn:
+        version = conn.execute(
+            sa.text("SELECT version_num FROM cli_ahead.ledgerbox_alembic_version")
+        )
+        assert version.scalar_one() == "0003"
