@@ -15,7 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from ledgerbox._core.database_url import check_database_url
 from ledgerbox._core.endpoint import DEFAULT_HOST, check_port, needs_token
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.identifiers import check_service_names
@@ -72,7 +74,9 @@ class ServiceTarget:
     Raises
     ------
     ledgerbox.ConfigurationError
-        A bad name, table name, shard count or metrics URL (``.setting`` names it).
+        A bad name, table name, shard count or metrics URL, or a database URL that can
+        never connect (not PostgreSQL, a port outside 1..65535: the daemons' check;
+        ``.setting`` names it).
     """
 
     name: str
@@ -97,6 +101,12 @@ class ServiceTarget:
             raise ConfigurationError(
                 f"service {self.name}: no database URL", setting="database_url"
             )
+        try:  # the daemons' check, at start: a URL that can never connect is refused
+            check_database_url(self.url, reader="sqlalchemy")
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                f"service {self.name}: {exc}", setting="database_url"
+            ) from None
         check_service_names(self.outbox_table, self.inbox_table, self.schema)
         if not 1 <= self.shard_count <= 4096:
             raise ConfigurationError(
@@ -107,9 +117,10 @@ class ServiceTarget:
             values = tuple(str(v).strip() for v in getattr(self, name) if str(v).strip())
             object.__setattr__(self, name, values)
         for url in self.relay_metrics:
-            if not url.startswith(("http://", "https://")):
+            if not _metrics_url(url):
                 raise ConfigurationError(
-                    f"service {self.name}: relay_metrics {url!r} must be an http(s):// URL",
+                    f"service {self.name}: relay_metrics {url!r} must be an "
+                    "http(s)://host[:port]/metrics URL (a port in 1..65535)",
                     setting="relay_metrics",
                 )
 
@@ -118,6 +129,17 @@ class ServiceTarget:
         """The database URL (revealed: for the database driver only, never print it)."""
         assert isinstance(self.database_url, Secret)
         return self.database_url.reveal()
+
+
+def _metrics_url(url: str) -> bool:
+    # An http(s) URL with a host and, if any, a port in 1..65535 (urllib raises ValueError
+    # for a port it cannot read or above 65535).
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -273,7 +295,8 @@ def _service(path: str | Path, index: int, table: Any, env: Mapping[str, str]) -
     try:
         return ServiceTarget(**values)
     except ConfigurationError as exc:  # the value is the file's: name it, not a flag
-        raise ConfigurationError(f"{where}: {exc}", setting="services_file") from None
+        said = str(exc).removeprefix(f"service {values['name']}: ")  # `where` names it
+        raise ConfigurationError(f"{where}: {said}", setting="services_file") from None
 
 
 def _wrong_type(where: str, key: str, kind: str, value: object) -> ConfigurationError:

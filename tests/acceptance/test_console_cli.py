@@ -117,3 +117,39 @@ def test_a_port_in_use_is_the_first_and_only_line() -> None:
         f"ledgerbox console: cannot listen on 127.0.0.1:{port} (the port is in use): stop what "
         "holds it, or set another --port"
     ], err
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--database-url", "mysql://u:hunter2@x/y"],
+         "service default: database_url is not a PostgreSQL URL: give "),
+        (["--database-url", "postgresql+psycopg://u:hunter2@x:70000/y"],
+         "service default: database_url has a port that is not a TCP port"),
+        (["--services-file", "{file}"],
+         "services file {file}, service 1 ('a'): database_url is not a PostgreSQL URL: give "),
+        (["--database-url", "postgresql+psycopg://u:hunter2@x/y", "--relay-metrics",
+          "http://127.0.0.1:70000/metrics"],
+         "service default: relay_metrics 'http://127.0.0.1:70000/metrics' must be an "
+         "http(s)://host[:port]/metrics URL"),
+    ],
+    ids=["mysql", "port", "services-file", "relay-metrics-port"],
+)  # fmt: skip
+def test_a_url_that_can_never_work_is_refused_at_start_in_one_line(
+    args: list[str], said: str, tmp_path: Path
+) -> None:
+    # Before: the console started and every section showed the error (README and
+    # docs/console.md promise a refusal at start).
+    file = tmp_path / "services.toml"
+    file.write_text('[[service]]\nname = "a"\ndatabase_url = "mysql://x/y"\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "ledgerbox", "console", "--port", str(free_port()),
+         *(a.format(file=file) for a in args)],
+        cwd=REPO, env={**os.environ, "DATABASE_URL": "", "KAFKA_BOOTSTRAP_SERVERS": ""},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("ledgerbox console: " + said.format(file=file)), lines[0]
+    assert "hunter2" not in result.stderr + result.stdout
