@@ -5,7 +5,8 @@ Every flag is mirrored by an environment variable with the prefix ``LEDGERBOX_CO
 ``DATABASE_URL``, ``KAFKA_BOOTSTRAP_SERVERS`` and ``REDIS_URL`` (the prefixed one wins). The
 former prefix ``LEDGERBOX_INBOX_`` works for one release, with a warning. The mechanism:
 :mod:`ledgerbox._core.settings`; the table: docs/configuration.md. ``check`` exit codes: 0 ok,
-1 degraded (Redis down, consumers still correct), 2 down (PostgreSQL or Kafka unreachable,
+1 degraded (Redis down, consumers still correct; ``--group`` without ``--topic`` naming a
+group that committed no offsets), 2 down (PostgreSQL or Kafka unreachable,
 inbox table missing or behind, privilege, read-only database, topics missing); it prints one
 line naming the cause and the fix (:mod:`ledgerbox.inbox._checks`). ``run`` and ``purge``
 report an expected refusal in one line on stderr and exit 2, without a traceback.
@@ -47,7 +48,7 @@ from ledgerbox.inbox._checks import check_consumer
 from ledgerbox.inbox._config import ConsumerConfig
 from ledgerbox.inbox._consumer import InboxConsumer
 from ledgerbox.inbox._health import HEALTH_CODES
-from ledgerbox.inbox._lag import group_lag
+from ledgerbox.inbox._lag import group_lag, no_offsets_line
 
 __all__ = ["CONSUMER_SETTINGS", "app", "load_consumer"]
 
@@ -270,25 +271,34 @@ def check_command(values: Values, ctx: typer.Context) -> None:
             CONSUMER_SETTINGS.fail(exc, values)
     result = asyncio.run(check_consumer(config, check_topics=values["app"] is not None))
     typer.echo(scrub(result.line))
+    code = HEALTH_CODES[result.state]
     if result.state != "down" and (values["app"] is not None or values["group"]):
         group = config.group_id if values["app"] is not None else values["group"]
         topics = list(config.topics) if values["app"] is not None else _topics(values)
-        _echo_lag(config.kafka_settings, group, topics)
-    raise typer.Exit(HEALTH_CODES[result.state])
+        if not _echo_lag(config.kafka_settings, group, topics):
+            code = max(code, HEALTH_CODES["degraded"])
+    raise typer.Exit(code)
 
 
 def _topics(values: Values) -> list[str] | None:
     return [t.strip() for t in (values["topic"] or "").split(",") if t.strip()] or None
 
 
-def _echo_lag(kafka: KafkaSettings, group: str, topics: list[str] | None) -> None:
+def _echo_lag(kafka: KafkaSettings, group: str, topics: list[str] | None) -> bool:
     """``lag <topic>[<partition>]: ...`` per partition, then the total; a failure to read
-    it is one line and does not change the health's exit code."""
+    it is one line and does not change the health's exit code. ``False`` when the group
+    (given without its topics) has committed no offsets anywhere: its lag is unknown, not
+    0 (a misspelt name, or a group that never committed), said in one line: degraded."""
     try:
         found = asyncio.run(group_lag(kafka, group, topics))
+        if not found and not topics:
+            typer.echo(
+                f"lag of group {group}: unknown: {asyncio.run(no_offsets_line(kafka, group))}"
+            )
+            return False
     except LedgerboxError as exc:
         typer.echo(scrub(f"lag of group {group}: unavailable: {exc}"))
-        return
+        return True
     for lag in found:
         committed = "-" if lag.committed is None else str(lag.committed)
         typer.echo(
@@ -296,6 +306,7 @@ def _echo_lag(kafka: KafkaSettings, group: str, topics: list[str] | None) -> Non
             f" watermark {lag.high})"
         )
     typer.echo(f"lag of group {group}: {sum(lag.lag for lag in found)} records")
+    return True
 
 
 @CONSUMER_SETTINGS.typer_command(app, "purge", ["app", "older_than_s"])

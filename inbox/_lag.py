@@ -24,11 +24,13 @@ from ledgerbox._core.faults import Fault
 from ledgerbox._core.kafka import KafkaSettings
 from ledgerbox._core.kafka_clients import admin_client, consumer_client
 
-__all__ = ["Lag", "group_lag", "group_names"]
+__all__ = ["GROUPS_SHOWN", "Lag", "group_lag", "group_names", "no_offsets_line"]
 
 #: A fresh cluster has no group coordinator until its offsets topic exists (created at the
 #: first group request): the lookup is retried for up to this long, in seconds.
 COORDINATOR_WAIT_S = 10.0
+#: At most this many other group names are offered in the "no such group" line.
+GROUPS_SHOWN = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,29 @@ async def group_names(kafka: KafkaSettings) -> list[str]:
     finally:
         await admin.close()
     return sorted({str(g[0]) for g in listed})
+
+
+async def no_offsets_line(kafka: KafkaSettings, group: str) -> str:
+    """What ``ledgerbox consumer lag`` and ``check --group`` say of a group that has
+    committed no offset on any topic (a misspelt name, or a group that never committed):
+    ONE line that names the groups the brokers know (at most :data:`GROUPS_SHOWN`) and says
+    to give ``--topic`` for a group that has not committed yet.
+
+    Raises
+    ------
+    ledgerbox.BrokerError
+        Kafka unreachable or refusing to list the groups.
+    """
+    others = [g for g in await group_names(kafka) if g != group]
+    known = ", ".join(others[:GROUPS_SHOWN]) or "none"
+    if len(others) > GROUPS_SHOWN:
+        known += f" (and {len(others) - GROUPS_SHOWN} more)"
+    return (
+        f"consumer group {group!r} has committed no offsets on any topic (a misspelt name, "
+        f"or a group that never committed): check the name (the groups on "
+        f"{kafka.describe()}: {known}), or give its topics with --topic to see the lag of a "
+        "group that has not committed yet"
+    )
 
 
 async def _group_offsets(admin: AIOKafkaAdminClient, group: str) -> dict[TopicPartition, Any]:

@@ -8,10 +8,7 @@ from collections.abc import Sequence
 from ledgerbox._core.kafka import KafkaSettings
 from ledgerbox.admin._errors import InvalidFilterError, NotFoundError
 from ledgerbox.admin._types import PartitionLag
-from ledgerbox.inbox._lag import group_lag, group_names
-
-#: At most this many other group names are offered in the "no such group" line.
-GROUPS_SHOWN = 10
+from ledgerbox.inbox._lag import group_lag, no_offsets_line
 
 __all__ = ["consumer_lag", "no_offsets_error"]
 
@@ -64,22 +61,12 @@ async def consumer_lag(
 
 async def no_offsets_error(kafka: KafkaSettings, group: str) -> NotFoundError:
     """The error of ``ledgerbox consumer lag --group <group>`` when the group has committed
-    no offset on any topic: a misspelt name, or a group that never committed. ONE line that
-    names the groups the brokers know (at most :data:`GROUPS_SHOWN`) and says to give
-    ``--topic`` for a group that has not committed yet.
+    no offset on any topic (:func:`ledgerbox.inbox._lag.no_offsets_line`: the groups the
+    brokers know, and to give ``--topic`` for a group that has not committed yet).
 
     Raises
     ------
     ledgerbox.BrokerError
         Kafka unreachable or refusing to list the groups.
     """
-    others = [g for g in await group_names(kafka) if g != group]
-    known = ", ".join(others[:GROUPS_SHOWN]) or "none"
-    if len(others) > GROUPS_SHOWN:
-        known += f" (and {len(others) - GROUPS_SHOWN} more)"
-    return NotFoundError(
-        f"consumer group {group!r} has committed no offsets on any topic (a misspelt name, "
-        f"or a group that never committed): check the name (the groups on "
-        f"{kafka.describe()}: {known}), or give its topics with --topic to see the lag of a "
-        "group that has not committed yet"
-    )
+    return NotFoundError(await no_offsets_line(kafka, group))

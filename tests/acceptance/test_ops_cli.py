@@ -369,6 +369,28 @@ def test_consumer_lag_of_a_group_that_committed_nothing_is_one_line_and_exit_2(
         assert result.stdout == ""
 
 
+def test_consumer_check_of_a_group_that_committed_nothing_says_so_and_is_degraded(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    # Before: "ok" then "lag of group nobody: 0 records", exit 0, while `consumer lag` of the
+    # same group exits 2: a misspelt group looked healthy and caught up.
+    group = f"typo-{uuid.uuid4().hex[:8]}"
+    result = _cli(
+        "consumer", "check", "--group", group, "--database-url", database_url,
+        env={"KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap},
+    )  # fmt: skip
+    assert result.returncode == 1, result
+    lines = result.stdout.splitlines()
+    assert lines[0] == "ok" and len(lines) == 2, result.stdout
+    assert lines[1].startswith(
+        f"lag of group {group}: unknown: consumer group {group!r} has committed no offsets on "
+        "any topic"
+    ), lines[1]
+    assert (
+        "check the name (the groups on" in lines[1] and "give its topics with --topic" in lines[1]
+    )
+
+
 # -- 7 ------------------------------------------------------------------------------------
 
 
