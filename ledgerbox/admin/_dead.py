@@ -25,7 +25,7 @@ from ledgerbox.admin._types import (
     HeldKey,
     RelayStatus,
     ShardOwner,
-    default_actor,
+    audit_actor,
 )
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._pgstore import PgRelayStore
@@ -229,7 +229,8 @@ async def replay_dead_events(
     filter : DeadFilter | None
         Replay the rows it selects (up to its ``limit``).
     actor : str | None
-        Who acts (audit); ``None``: the OS user.
+        Who acts (audit); ``None``: the OS user; empty or blank: refused
+        (:class:`~ledgerbox.admin.InvalidFilterError`).
     dry_run : bool
         Change nothing; the audit row is written, flagged.
 
@@ -241,7 +242,7 @@ async def replay_dead_events(
     Raises
     ------
     ledgerbox.admin.InvalidFilterError
-        Both or neither of ``ids`` and ``filter``.
+        Both or neither of ``ids`` and ``filter``, or an empty or blank ``actor``.
     ledgerbox.admin.NotFoundError
         An id is not a dead-lettered row, or ``filter`` selects none; nothing was changed,
         no audit row written.
@@ -276,6 +277,7 @@ async def _act(
     actor: str | None,
     dry_run: bool,
 ) -> ActionResult:
+    actor = audit_actor(actor)
     if bool(ids) == (filter is not None):
         raise InvalidFilterError(
             "give either outbox row ids or a filter, not both and not neither "
@@ -285,7 +287,6 @@ async def _act(
     impossible = sorted(i for i in ids if not 0 < i <= MAX_ROW_ID)
     if impossible:
         raise _not_found(impossible[0])
-    actor = actor or default_actor()
     filters: dict[str, Any] = {"ids": list(ids)} if filter is None else filter.to_json()
     store = relay_store(db)
     admin = AdminStore(db)

@@ -41,7 +41,7 @@ from ledgerbox._core.kafka_clients import consumer_client, producer_client
 from ledgerbox._core.names import H_ID, H_TYPE
 from ledgerbox.admin._audit import AdminStore, log_action
 from ledgerbox.admin._errors import InvalidFilterError, NotFoundError, RefusedError
-from ledgerbox.admin._types import ActionResult, Database, DlqFilter, DlqRecord, default_actor
+from ledgerbox.admin._types import ActionResult, Database, DlqFilter, DlqRecord, audit_actor
 from ledgerbox.inbox._deadletter import (
     H_ATTEMPTS,
     H_CONSUMER_GROUP,
@@ -373,7 +373,7 @@ async def replay_dlq_records(
     filter : DlqFilter | None
         Replay the records it selects.
     actor : str | None
-        Who acts (audit); ``None``: the OS user.
+        Who acts (audit); ``None``: the OS user; empty or blank: refused.
     dry_run : bool
         Change and send nothing; the audit row is written, flagged.
 
@@ -386,7 +386,8 @@ async def replay_dlq_records(
     Raises
     ------
     ledgerbox.admin.InvalidFilterError
-        Both or neither of ``refs`` and ``filter``, or a malformed reference.
+        Both or neither of ``refs`` and ``filter``, a malformed reference, or an empty or
+        blank ``actor``.
     ledgerbox.admin.NotFoundError
         A referenced record does not exist, or ``filter`` selects none; nothing changed, no
         audit row written.
@@ -402,6 +403,7 @@ async def replay_dlq_records(
         The database failed, or the inbox table (``db.inbox_table``) does not exist or may
         not be updated (checked first, a dry run too: no audit row); nothing was sent.
     """
+    actor = audit_actor(actor)
     store = AdminStore(db)
     try:  # a wrong --inbox-table: refused before anything, a dry run too (no audit row)
         await store.check_inbox()
@@ -416,7 +418,6 @@ async def replay_dlq_records(
     chosen.sort(
         key=lambda c: (c[0].source_topic or "", c[0].source_partition or 0, c[0].source_offset or 0)
     )
-    actor = actor or default_actor()
     ids = [d.ref for d, _r in chosen]
     store = AdminStore(db)
     try:
@@ -539,6 +540,7 @@ async def discard_dlq_records(
     already is refused (:class:`~ledgerbox.admin.RefusedError`, no audit row), as
     ``relay dead discard`` refuses an event that is no longer dead-lettered.
     """
+    actor = audit_actor(actor)
     store = AdminStore(db)
     try:  # the discard updates the inbox table: a wrong --inbox-table is refused first
         await store.check_inbox()
@@ -551,7 +553,6 @@ async def discard_dlq_records(
                 f"cannot discard {decoded.ref}: it was discarded already (a discard is final); "
                 "nothing changed, nothing audited"
             )
-    actor = actor or default_actor()
     ids = [d.ref for d, _r in chosen]
     fresh = [d for d, _r in chosen if d.state != "discarded"]
     store = AdminStore(db)

@@ -43,6 +43,28 @@ def default_actor() -> str:
         return "unknown"
 
 
+def audit_actor(actor: str | None) -> str:
+    """Who acts, for the audit row: ``actor``, or the OS user (:func:`default_actor`) when it
+    is ``None``.
+
+    Raises
+    ------
+    ledgerbox.admin.InvalidFilterError
+        ``setting="actor"``: an empty or blank actor (``--actor "$WHO"`` with ``WHO`` unset),
+        refused as an empty filter is: recording the OS user instead, or blanks, would
+        hide who acted.
+    """
+    if actor is None:
+        return default_actor()
+    if not actor.strip():
+        raise InvalidFilterError(
+            f"the actor is empty ({actor!r}; an unset shell variable?): give a name, or leave "
+            "--actor out (the OS user is recorded)",
+            setting="actor",
+        )
+    return actor
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, _Json):
         return value.to_json()

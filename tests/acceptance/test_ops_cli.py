@@ -441,6 +441,35 @@ def test_an_empty_filter_value_is_refused_and_audits_nothing(
         assert set(statuses) == {2}
 
 
+@pytest.mark.parametrize("actor", ["", "   "], ids=["empty", "blank"])
+@pytest.mark.parametrize(
+    ("args", "command"),
+    [
+        (["relay", "dead", "replay", "1", "--dry-run"], "relay dead replay"),
+        (["relay", "dead", "discard", "--all-matching", "--key", "k"], "relay dead discard"),
+        (["consumer", "dlq", "replay", "orders.dlq:0:0", "--dry-run"], "consumer dlq replay"),
+        (["consumer", "dlq", "discard", "orders.dlq:0:0"], "consumer dlq discard"),
+    ],
+    ids=["dead-replay", "dead-discard", "dlq-replay", "dlq-discard"],
+)
+def test_an_empty_or_blank_actor_is_refused_and_audits_nothing(
+    args: list[str], command: str, actor: str, database_url: str, engine: Engine
+) -> None:
+    # Before: --actor "" recorded the OS user, --actor "   " wrote blanks into the audit
+    # table. Refused before any database or Kafka call (this Kafka address is never reached).
+    before = _audit_rows(engine)
+    result = _cli(
+        *args, "--actor", actor, "--database-url", database_url,
+        env={"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"},
+    )  # fmt: skip
+    assert result.returncode == 2, result
+    assert _one_line(result) == (
+        f"ledgerbox {command}: the actor is empty ({actor!r}; an unset shell variable?): give a "
+        "name, or leave --actor out (the OS user is recorded)"
+    )
+    assert _audit_rows(engine) == before
+
+
 # -- 8 ------------------------------------------------------------------------------------
 
 
