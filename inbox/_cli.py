@@ -38,6 +38,7 @@ from ledgerbox._core.operator_settings import OPERATOR_FILTERS
 from ledgerbox._core.redaction import install_scrub_filter, scrub
 from ledgerbox._core.references import first_line, import_reference
 from ledgerbox._core.settings import (
+    LOG_LEVEL_SETTING,
     CommandSettings,
     Setting,
     SettingsError,
@@ -75,7 +76,7 @@ CONSUMER_SETTINGS = CommandSettings(
             help="module:attribute of an InboxConsumer or of a no-argument factory of one",
             label="consumer app (module:attribute)",
         ),
-        Setting("log_level", str, default="INFO", help="Logging level (DEBUG, INFO, WARNING)"),
+        LOG_LEVEL_SETTING,
         EVENT_LOOP_SETTING,
         Setting(
             "metrics_port",

@@ -42,6 +42,7 @@ from ledgerbox._core.kafka import KAFKA_SETTING_NAMES, KafkaSettings, cli_settin
 from ledgerbox._core.operator_settings import OPERATOR_FILTERS, OPERATOR_SWITCHES
 from ledgerbox._core.redaction import install_scrub_filter, scrub
 from ledgerbox._core.settings import (
+    LOG_LEVEL_SETTING,
     CommandSettings,
     Setting,
     Values,
@@ -98,7 +99,7 @@ RELAY_SETTINGS = CommandSettings(
             help="Address the metrics endpoint binds to (another one exposes it beyond this "
             "machine)",
         ),
-        Setting("log_level", str, default="INFO", help="Logging level (DEBUG, INFO, WARNING)"),
+        LOG_LEVEL_SETTING,
         EVENT_LOOP_SETTING,
         Setting(
             "margin_s",
@@ -126,7 +127,9 @@ def _config(values: Values) -> RelayConfig:
     given = {k: v for k, v in merged.items() if k in _CONFIG_FIELDS and v is not None}
     try:
         kafka = None
-        if given.get("kafka_bootstrap_servers"):
+        # Given, even empty: KafkaSettings names the flag's problem ("must not be empty"), not
+        # RelayConfig, whose message is for library callers (it offers kafka=KafkaSettings()).
+        if "kafka_bootstrap_servers" in given:
             kafka = KafkaSettings.from_values(
                 merged, bootstrap_servers=given["kafka_bootstrap_servers"]
             )

@@ -206,9 +206,10 @@ class CommandSettings:
             return ()
         return (self.env(name), *self.settings[name].well_known)
 
-    def where(self, name: str) -> str:
-        """``"--batch-size or LEDGERBOX_RELAY_BATCH_SIZE"``: every way to set ``name``."""
-        ways = [self.settings[name].flag, *self.env_names(name)]
+    def where(self, name: str, *, flag_only: bool = False) -> str:
+        """``"--batch-size or LEDGERBOX_RELAY_BATCH_SIZE"``: every way to set ``name``
+        (``flag_only``: a command that reads it from its flag only: the flag)."""
+        ways = [self.settings[name].flag, *(() if flag_only else self.env_names(name))]
         return ways[0] if len(ways) == 1 else f"{', '.join(ways[:-1])} or {ways[-1]}"
 
     def defaults(self) -> Values:
@@ -295,25 +296,45 @@ class CommandSettings:
 
     # -- errors ----------------------------------------------------------------------------
 
-    def error_line(self, exc: ConfigurationError, values: Mapping[str, Any]) -> str:
+    def error_line(
+        self,
+        exc: ConfigurationError,
+        values: Mapping[str, Any],
+        *,
+        command: str | None = None,
+        flag_only: bool = False,
+    ) -> str:
         """The one line for ``exc``: ``ledgerbox <command>: <problem> (got <value>); set
         <flag> or <variables>`` (no value for secrets, no "set" part for an unknown setting).
+        ``command``: the command's full name (``"consumer dlq list"``; default: this
+        settings' command); ``flag_only``: the command reads the setting from its flag only
+        (its variables are not named).
         """
         name = exc.setting
         problem = str(exc)
+        prefix = f"ledgerbox {command or self.command}"
         if name is None or name not in self.settings:
-            return f"ledgerbox {self.command}: {problem}"
+            return f"{prefix}: {problem}"
         s = self.settings[name]
         value = values.get(name)
         # Already in the problem: a bad identifier quotes it, a range check says "(got ...)".
         shown = "(got " in problem or (isinstance(value, str) and repr(value) in problem)
         if not s.secret and value is not None and not shown:
             problem = f"{problem} (got {value!r})"
-        return f"ledgerbox {self.command}: {problem}; set {self.where(name)}"
+        return f"{prefix}: {problem}; set {self.where(name, flag_only=flag_only)}"
 
-    def fail(self, exc: ConfigurationError, values: Mapping[str, Any] | None = None) -> NoReturn:
+    def fail(
+        self,
+        exc: ConfigurationError,
+        values: Mapping[str, Any] | None = None,
+        *,
+        command: str | None = None,
+        flag_only: bool = False,
+    ) -> NoReturn:
         """Print :meth:`error_line` to stderr and exit with code 2."""
-        typer.echo(self.error_line(exc, values or {}), err=True)
+        typer.echo(
+            self.error_line(exc, values or {}, command=command, flag_only=flag_only), err=True
+        )
         raise typer.Exit(2)
 
     # -- typer -----------------------------------------------------------------------------
@@ -331,7 +352,7 @@ class CommandSettings:
             parts.append(f"default: {s.default}")
         env = self.env_names(name)
         parts.append("command line only" if command_line or not env else "env: " + ", ".join(env))
-        return "; ".join(parts)
+        return _not_markup("; ".join(parts))
 
     def typer_command(
         self,
@@ -342,6 +363,7 @@ class CommandSettings:
         switches: Mapping[str, str] | None = None,
         arguments: Mapping[str, str] | None = None,
         command_line: Sequence[str] = (),
+        full_name: str | None = None,
     ) -> Callable[[Callable[[Values, typer.Context], None]], Callable[..., None]]:
         """Register ``body(values, ctx)`` as ``app``'s sub-command ``command_name`` with one
         option per setting in ``names`` (plus hidden deprecated flags). ``values`` are the
@@ -361,6 +383,10 @@ class CommandSettings:
         never from the environment (the selection and the actor of an operator command: it
         acts only on what the operator typed); other commands may still read their
         variables.
+
+        ``full_name``: the command's name in a refusal of its settings (``"relay dead
+        list"``), as its other refusals name it; default: this settings' command
+        (``"relay"``). A setting of ``command_line`` is then named by its flag only.
         """
         switches = dict(switches or {})
         command_line = tuple(command_line)
@@ -373,7 +399,7 @@ class CommandSettings:
                 try:
                     values = self.resolve(names, given, command_line)
                 except SettingsError as exc:
-                    self.fail(exc)
+                    self.fail(exc, command=full_name, flag_only=exc.setting in command_line)
                 body({**values, **flags}, ctx)
 
             params = [
@@ -422,14 +448,38 @@ class CommandSettings:
         return decorate
 
 
+def _not_markup(text: str) -> str:
+    """``text`` for typer's help, which reads rich markup when rich is installed: square
+    brackets stay text (``[[service]]`` was shown as ``[]``, eaten as a markup tag)."""
+    try:
+        from rich.markup import escape
+    except ImportError:  # typer without rich prints the text as it is
+        return text
+    return escape(text)
+
+
+#: The ``--log-level`` values (any case), as docs/configuration.md lists them.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+#: The ``log_level`` setting of the daemons and the console: its help lists
+#: :data:`LOG_LEVELS`, the ones :func:`configure_logging` accepts.
+LOG_LEVEL_SETTING = Setting(
+    "log_level",
+    str,
+    default="INFO",
+    help=f"Logging level ({', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]})",
+)
+
+
 def configure_logging(settings: CommandSettings, level: str) -> None:
     """``logging.basicConfig`` at ``level`` (any case), with the Kafka client's repeated lines
     rate-limited (:class:`RepeatFilter`); an unknown level exits with code 2 and one line
     naming the ``log_level`` setting."""
     upper = level.upper()
-    if upper not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+    if upper not in LOG_LEVELS:
+        listed = f"{', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]}"
         settings.fail(
-            SettingsError("log_level must be DEBUG, INFO, WARNING or ERROR", setting="log_level"),
+            SettingsError(f"log_level must be {listed}", setting="log_level"),
             {"log_level": level},
         )
     logging.basicConfig(level=upper, format="%(asctime)s %(levelname)s %(name)s %(message)s")

@@ -72,13 +72,10 @@ _ACT_SWITCHES = {
 def _kafka(command: str, values: Values) -> KafkaSettings:
     servers = values["kafka_bootstrap_servers"]
     if not servers:
-        raise _fail(
-            command,
-            ConfigurationError(
-                "no Kafka bootstrap servers: set --kafka-bootstrap-servers or "
-                "KAFKA_BOOTSTRAP_SERVERS"
-            ),
+        missing = ConfigurationError(
+            "no Kafka bootstrap servers", setting="kafka_bootstrap_servers"
         )
+        raise _fail(command, setting_problem(missing, CONSUMER_SETTINGS))
     try:
         return KafkaSettings.from_values(values, bootstrap_servers=servers)
     except ConfigurationError as exc:
@@ -126,7 +123,12 @@ def _filter(command: str, values: Values, *, include_done: bool = False) -> DlqF
 
 
 @CONSUMER_SETTINGS.typer_command(
-    dlq_app, "list", [*_DB, *_FILTERS], switches=_LIST_SWITCHES, command_line=_TYPED
+    dlq_app,
+    "list",
+    [*_DB, *_FILTERS],
+    switches=_LIST_SWITCHES,
+    command_line=_TYPED,
+    full_name="consumer dlq list",
 )
 def list_command(values: Values, ctx: typer.Context) -> None:
     """List the records of a dead-letter topic (partition, offset order) with their group
@@ -166,6 +168,7 @@ def list_command(values: Values, ctx: typer.Context) -> None:
     _DB,
     switches={"json": OPERATOR_SWITCHES["json"]},
     arguments={"refs": "Record reference <dlq topic>:<partition>:<offset>"},
+    full_name="consumer dlq show",
 )
 def show_command(values: Values, ctx: typer.Context) -> None:
     """Show one dead-letter record: its headers, error, source and value."""
@@ -257,6 +260,7 @@ def _summary(command: str, result: ActionResult) -> str:
     switches=_ACT_SWITCHES,
     arguments={"refs": "Record references <dlq topic>:<partition>:<offset>"},
     command_line=_TYPED,
+    full_name="consumer dlq replay",
 )
 def replay_command(values: Values, ctx: typer.Context) -> None:
     """Replay dead-letter records for the group that dead-lettered each: its inbox row is
@@ -272,6 +276,7 @@ def replay_command(values: Values, ctx: typer.Context) -> None:
     switches=_ACT_SWITCHES,
     arguments={"refs": "Record references <dlq topic>:<partition>:<offset>"},
     command_line=_TYPED,
+    full_name="consumer dlq discard",
 )
 def discard_command(values: Values, ctx: typer.Context) -> None:
     """Discard dead-letter records (recorded: hidden from lists, never replayed; the events
@@ -285,6 +290,7 @@ def discard_command(values: Values, ctx: typer.Context) -> None:
     [*_CONNECTION[1:], "group", "topic"],
     switches={"json": OPERATOR_SWITCHES["json"]},
     command_line=_TYPED,
+    full_name="consumer lag",
 )
 def lag_command(values: Values, ctx: typer.Context) -> None:
     """Lag of a consumer group per partition: committed offset, high watermark, records

@@ -70,9 +70,10 @@ def database(
     from ledgerbox.admin._types import Database
 
     if not values["database_url"]:
-        raise fail(
-            command, ConfigurationError("no database URL: set --database-url or DATABASE_URL")
-        )
+        missing = ConfigurationError("no database URL", setting="database_url")
+        if settings is None:
+            raise fail(command, f"{missing}: set --database-url or DATABASE_URL")
+        raise fail(command, setting_problem(missing, settings))
     try:
         return Database(
             url=values["database_url"],

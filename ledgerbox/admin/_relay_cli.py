@@ -87,7 +87,11 @@ def _when(event: DeadEvent) -> str:
 
 
 @RELAY_SETTINGS.typer_command(
-    dead_app, "list", [*_DB, *_FILTERS], switches={"json": OPERATOR_SWITCHES["json"]}
+    dead_app,
+    "list",
+    [*_DB, *_FILTERS],
+    switches={"json": OPERATOR_SWITCHES["json"]},
+    full_name="relay dead list",
 )
 def list_command(values: Values, ctx: typer.Context) -> None:
     """List dead-lettered outbox events (id order), with how many events each holds."""
@@ -124,6 +128,7 @@ def list_command(values: Values, ctx: typer.Context) -> None:
     _DB,
     switches={"json": OPERATOR_SWITCHES["json"]},
     arguments={"ids": "Outbox row id (from `relay dead list`)"},
+    full_name="relay dead show",
 )
 def show_command(values: Values, ctx: typer.Context) -> None:
     """Show one dead-lettered event with its payload and headers."""
@@ -232,6 +237,7 @@ _ACT_SWITCHES = {
     [*_DB, *_FILTERS, "actor"],
     switches=_ACT_SWITCHES,
     arguments={"ids": "Outbox row ids of dead-lettered events"},
+    full_name="relay dead replay",
 )
 def replay_command(values: Values, ctx: typer.Context) -> None:
     """Send dead-lettered events again: each, then the events its key held behind it, in id
@@ -245,6 +251,7 @@ def replay_command(values: Values, ctx: typer.Context) -> None:
     [*_DB, *_FILTERS, "actor"],
     switches=_ACT_SWITCHES,
     arguments={"ids": "Outbox row ids of dead-lettered events"},
+    full_name="relay dead discard",
 )
 def discard_command(values: Values, ctx: typer.Context) -> None:
     """Give up dead-lettered events (never sent); the events their keys held go on."""

@@ -21,7 +21,13 @@ from ledgerbox._core.endpoint import DEFAULT_HOST
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.kafka import KafkaSettings, cli_settings
 from ledgerbox._core.redaction import Secret, install_scrub_filter
-from ledgerbox._core.settings import CommandSettings, Setting, Values, configure_logging
+from ledgerbox._core.settings import (
+    LOG_LEVEL_SETTING,
+    CommandSettings,
+    Setting,
+    Values,
+    configure_logging,
+)
 from ledgerbox.console._config import DEFAULT_PORT, ConsoleConfig, ServiceTarget, load_services_file
 
 __all__ = ["CONSOLE_SETTINGS", "app", "build_config"]
@@ -97,7 +103,7 @@ CONSOLE_SETTINGS = CommandSettings(
             str,
             help="Comma-separated extra Host header names accepted (a proxy's name)",
         ),
-        Setting("log_level", str, default="INFO", help="Logging level (DEBUG, INFO, WARNING)"),
+        LOG_LEVEL_SETTING,
     ],
 )
 

@@ -338,3 +338,55 @@ def test_migrate_prints_the_revision_the_database_is_at_and_says_when_it_is_ahea
             sa.text("SELECT version_num FROM cli_ahead.ledgerbox_alembic_version")
         )
         assert version.scalar_one() == "0003"
+
+
+_NO_SERVICES = {"DATABASE_URL": "", "KAFKA_BOOTSTRAP_SERVERS": ""}
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (["consumer", "dlq", "list", "--dlq-topic", "o.dlq", "--older-than-s", "inf"], {},
+         "ledgerbox consumer dlq list: older_than_s must be a finite number (got 'inf'); set "
+         "--older-than-s"),
+        (["relay", "dead", "list", "--older-than-s", "inf"], {},
+         "ledgerbox relay dead list: older_than_s must be a finite number (got 'inf'); set "
+         "--older-than-s"),
+        (["consumer", "lag", "--group", "g"], {},
+         "ledgerbox consumer lag: no Kafka bootstrap servers; set --kafka-bootstrap-servers, "
+         "LEDGERBOX_CONSUMER_KAFKA_BOOTSTRAP_SERVERS or KAFKA_BOOTSTRAP_SERVERS"),
+        (["consumer", "dlq", "list", "--dlq-topic", "o.dlq"], {},
+         "ledgerbox consumer dlq list: no Kafka bootstrap servers; set --kafka-bootstrap-servers,"
+         " LEDGERBOX_CONSUMER_KAFKA_BOOTSTRAP_SERVERS or KAFKA_BOOTSTRAP_SERVERS"),
+        (["relay", "dead", "list"], {},
+         "ledgerbox relay dead list: no database URL; set --database-url, "
+         "LEDGERBOX_RELAY_DATABASE_URL or DATABASE_URL"),
+        (["relay", "check", "--kafka-bootstrap-servers", ""],
+         {"DATABASE_URL": "postgresql+psycopg://u@127.0.0.1:1/x"},
+         "ledgerbox relay: kafka bootstrap_servers must not be empty (got ''); set "
+         "--kafka-bootstrap-servers, LEDGERBOX_RELAY_KAFKA_BOOTSTRAP_SERVERS or "
+         "KAFKA_BOOTSTRAP_SERVERS"),
+    ],
+    ids=["dlq-older-than", "dead-older-than", "lag-kafka", "dlq-kafka", "dead-database",
+         "relay-empty-kafka"],
+)  # fmt: skip
+def test_a_refusal_names_the_full_command_and_only_the_ways_it_reads(
+    args: list[str], env: dict[str, str], said: str
+) -> None:
+    # Before: "ledgerbox consumer: ... set --older-than-s or LEDGERBOX_CONSUMER_OLDER_THAN_S"
+    # (a variable dlq never reads, and not the command's name); the lag/dlq/dead hints left
+    # out the LEDGERBOX_* variable that works; an empty --kafka-bootstrap-servers offered
+    # "(or give kafka=KafkaSettings(...))", advice for Python callers.
+    result = _run(*args, env={**_NO_SERVICES, **env})
+    assert result.returncode == 2, result
+    assert _one_line(result) == said
+
+
+def test_the_help_shows_brackets_and_every_log_level() -> None:
+    # Before: console --help showed "one [] table per service" (rich ate "[[service]]" as
+    # markup); --log-level listed DEBUG, INFO, WARNING though ERROR is accepted.
+    console = _run("console", "--help", env={"COLUMNS": "300"})
+    assert "one [[service]] table per service" in console.stdout, console.stdout
+    for args in (["console"], ["relay", "run"], ["consumer", "run"]):
+        result = _run(*args, "--help", env={"COLUMNS": "300"})
+        assert "Logging level (DEBUG, INFO, WARNING or ERROR)" in result.stdout, result.stdout
