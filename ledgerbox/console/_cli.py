@@ -203,10 +203,13 @@ def console(values: Values, ctx: typer.Context) -> None:
         )
         raise typer.Exit(2) from None
     log = logging.getLogger("ledgerbox.console")
+    # The port bound (--port 0: the one the system chose), an IPv6 host in brackets.
+    bound = sock.getsockname()[1]
+    host = f"[{config.host}]" if ":" in config.host else config.host
     log.info(
         "console on http://%s:%d/ for %s (token %s)",
-        config.host,
-        config.port,
+        host,
+        bound,
         ", ".join(s.name for s in config.services),
         "required" if config.token_value else "off: loopback only",
     )

@@ -153,3 +153,23 @@ def test_a_url_that_can_never_work_is_refused_at_start_in_one_line(
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert lines[0].startswith("ledgerbox console: " + said.format(file=file)), lines[0]
     assert "hunter2" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(("host", "shown"), [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])
+def test_the_start_line_names_the_port_bound_and_brackets_an_ipv6_host(
+    host: str, shown: str
+) -> None:
+    # Before: --port 0 logged "console on http://127.0.0.1:0/", IPv6 "http://::1:8090/".
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    proc = console("--port", "0", "--host", host)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    start = f"console on http://{shown}:"
+    assert start in line, line
+    port = int(line.split(start, 1)[1].split("/", 1)[0])
+    assert port != 0, line
