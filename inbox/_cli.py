@@ -166,7 +166,7 @@ def load_consumer(reference: str) -> InboxConsumer:
             target = target()
         except LedgerboxError:
             raise  # the consumer's own configuration: said by the caller as it is
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a factory that calls sys.exit() too
             raise ConfigurationError(
                 f"app {reference!r}: calling it as a no-argument factory raised "
                 f"{first_line(exc)}: name an InboxConsumer or a factory of one",

@@ -6,7 +6,8 @@ Like ``python -m``, the working directory is importable. A module that cannot be
 attribute it lacks, and an error raised by the module's own code while it is imported (its
 author's bug: a ``NameError``, an import of a package that is not installed) are each a
 :class:`~ledgerbox.ConfigurationError` whose ``setting`` is the setting's name; the message
-gives the cause's first line and, for the module's own error, how to see its traceback. A
+gives the cause's first line and, for the module's own error (a ``sys.exit()`` on import
+too), how to see its traceback. A
 ledgerbox error raised while the module is imported (a ``ConsumerConfig`` it builds refused a
 setting) is raised as it is: it already says what is wrong.
 """
@@ -68,7 +69,9 @@ def import_reference(reference: str, setting: str) -> Any:
         raise _own_code(setting, reference, module_name, exc) from None
     except LedgerboxError:
         raise  # a ledgerbox object the module builds refused its settings: said as it is
-    except Exception as exc:  # the module's own code failed while it was imported
+    except (Exception, SystemExit) as exc:  # the module's own code failed while imported
+        # SystemExit: a module that calls sys.exit() on import (a script) ended the command
+        # with its code and no word.
         raise _own_code(setting, reference, module_name, exc) from None
     where = module_name
     for part in attribute.split("."):

@@ -109,9 +109,11 @@ def _one_line(result: subprocess.CompletedProcess[str]) -> str:
         ("json:__name__", "is not an InboxConsumer nor a no-argument factory of one (got str)"),
         ("buggy_app:consumer", "its module's own code raised NameError: name 'undefined_name'"),
         ("broken_dep:consumer", "its module's own code raised ModuleNotFoundError: No module"),
+        ("exits:consumer", "its module's own code raised SystemExit: 3"),
+        ("exits_later:build", "calling it as a no-argument factory raised SystemExit: 4"),
     ],
     ids=["no-module", "no-attribute", "no-colon", "factory-fails", "not-a-consumer",
-         "module-bug", "module-missing-dependency"],
+         "module-bug", "module-missing-dependency", "module-exits", "factory-exits"],
 )  # fmt: skip
 def test_a_consumer_app_that_cannot_be_loaded_is_one_line_naming_the_setting(
     command: str, app: str, cause: str, tmp_path: Path
@@ -120,6 +122,9 @@ def test_a_consumer_app_that_cannot_be_loaded_is_one_line_naming_the_setting(
     # which was a 5-line usage box).
     (tmp_path / "buggy_app.py").write_text("consumer = undefined_name\n")
     (tmp_path / "broken_dep.py").write_text("import not_installed_anywhere\n")
+    # Before: a module (or factory) calling sys.exit(3) ended the command with exit 3, silently.
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "exits_later.py").write_text("import sys\ndef build():\n    sys.exit(4)\n")
     result = _run(
         "consumer", command, "--app", app, env={"PYTHONPATH": str(tmp_path)}, cwd=tmp_path
     )
