@@ -153,18 +153,22 @@ def _failed(exc: BaseException) -> asyncio.Future[Any]:
     return fut
 
 
-def _chain_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> None:
-    """Resolve ``target`` as ``source`` resolves (both already translated)."""
+def _follow(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> None:
+    """Resolve ``target`` as ``source`` resolves, its failure as a :class:`PublishError`
+    (aiokafka's error translated; one already translated kept as it is). A ``target`` given
+    up on (a stop, the relay's wait ended) still retrieves ``source``'s outcome, unlogged."""
 
     def copy(done: asyncio.Future[Any]) -> None:
         if target.done():
+            if not done.cancelled():
+                done.exception()
             return
         if done.cancelled():
             target.set_exception(
                 PublishError("send cancelled", fault=Fault.TRANSIENT, kind="Cancelled")
             )
         elif (exc := done.exception()) is not None:
-            target.set_exception(exc)
+            target.set_exception(PublishError.translate(exc, "send"))
         else:
             target.set_result(done.result())
 
@@ -175,22 +179,7 @@ def translated(fut: asyncio.Future[Any]) -> asyncio.Future[Any]:
     """A future resolved like ``fut`` (a producer's delivery future) whose failure is the
     :class:`PublishError` of aiokafka's error. One per record batch, not per record."""
     ours: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-
-    def copy(done: asyncio.Future[Any]) -> None:
-        if ours.done():  # given up on (a stop): still retrieve the outcome, unlogged
-            if not done.cancelled():
-                done.exception()
-            return
-        if done.cancelled():
-            ours.set_exception(
-                PublishError("send cancelled", fault=Fault.TRANSIENT, kind="Cancelled")
-            )
-        elif (exc := done.exception()) is not None:
-            ours.set_exception(PublishError.translate(exc, "send"))
-        else:
-            ours.set_result(done.result())
-
-    fut.add_done_callback(copy)
+    _follow(fut, ours)
     return ours
 
 
@@ -430,7 +419,7 @@ class KafkaPublisher:
                 fut.set_exception(PublishError.translate(exc, "send"))
                 give_up(chained[k + 1 :])
                 return
-            _chain_outcome(previous, fut)
+            _follow(previous, fut)
 
     @staticmethod
     def _append(batch: Any, record: OutboundRecord) -> bool:
