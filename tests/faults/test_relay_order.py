@@ -113,6 +113,18 @@ async def _drain(relay: Relay, rounds: int = 10) -> None:
             return
 
 
+async def _relay_until_idle(
+    database_url: str, kafka_bootstrap: str, topic: str, count: int
+) -> list:  # type: ignore[type-arg]
+    """Run a relay until it finds nothing more, then read ``count`` records of ``topic``."""
+    relay = Relay(rs.config(database_url, kafka_bootstrap))
+    try:
+        await _drain(relay)
+    finally:
+        await relay.aclose()
+    return await rs.consume(kafka_bootstrap, topic, until=lambda got: len(got) >= count)
+
+
 async def _set_topic_config(bootstrap: str, topic: str, configs: dict[str, str]) -> None:
     client = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await client.start()
@@ -180,12 +192,7 @@ async def test_g3_c19_a_restamped_event_keeps_its_place_before_a_later_record_ba
             _event(writer, "k", 3),
         ],
     )
-    relay = Relay(rs.config(database_url, kafka_bootstrap))
-    try:
-        await _drain(relay)
-    finally:
-        await relay.aclose()
-    records = await rs.consume(kafka_bootstrap, topic, until=lambda got: len(got) >= 3)
+    records = await _relay_until_idle(database_url, kafka_bootstrap, topic, 3)
     assert _seqs(records) == [1, 2, 3]
     assert _statuses(engine, ids) == [0, 0, 0], "nothing dead-lettered, nothing held"
 
@@ -257,10 +264,5 @@ async def test_g3_writers_serialized_on_the_aggregate_row_are_published_in_commi
         t2.close()
         thread.join(60)
     assert not failures, failures
-    relay = Relay(rs.config(database_url, kafka_bootstrap))
-    try:
-        await _drain(relay)
-    finally:
-        await relay.aclose()
-    records = await rs.consume(kafka_bootstrap, topic, until=lambda got: len(got) >= 2)
+    records = await _relay_until_idle(database_url, kafka_bootstrap, topic, 2)
     assert [json.loads(r.value)["label"] for r in records] == ["t2", "t1"]
