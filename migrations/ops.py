@@ -10,10 +10,12 @@ Use them from your own Alembic environment::
         ops.upgrade_outbox_v1_to_v2(op, table="outbox", schema=None)
         ops.upgrade_relay_v1_to_v2(op, outbox_table="outbox", schema=None)
         ops.create_ops_v3(op, schema=None)
+        ops.upgrade_outbox_v3_to_v4(op, table="outbox", schema=None)
 
 Each function is one step of the schema's history and never changes; later versions add new
 functions (``create_*_v1`` for revision 1, ``upgrade_*_v1_to_v2`` / ``downgrade_*_v2_to_v1``
-for revision 2, ``create_ops_v3`` / ``drop_ops_v3`` for revision 3: docs/migrations.md).
+for revision 2, ``create_ops_v3`` / ``drop_ops_v3`` for revision 3,
+``upgrade_outbox_v3_to_v4`` / ``downgrade_outbox_v4_to_v3`` for revision 4: docs/migrations.md).
 Names are validated as SQL identifiers before they reach any DDL.
 """
 
@@ -34,12 +36,14 @@ __all__ = [
     "create_outbox_v1",
     "create_relay_v1",
     "downgrade_outbox_v2_to_v1",
+    "downgrade_outbox_v4_to_v3",
     "downgrade_relay_v2_to_v1",
     "drop_inbox_v1",
     "drop_ops_v3",
     "drop_outbox_v1",
     "drop_relay_v1",
     "upgrade_outbox_v1_to_v2",
+    "upgrade_outbox_v3_to_v4",
     "upgrade_relay_v1_to_v2",
 ]
 
@@ -95,7 +99,7 @@ def create_outbox_v1(op: Any, table: str = "outbox", schema: str | None = None) 
         schema=schema,
         postgresql_where=sa.text("status = 1"),
     )
-    for statement in OutboxTable(name, schema=schema).notify_ddl():
+    for statement in OutboxTable(name, schema=schema).notify_ddl(gated=False):
         op.execute(statement)
 
 
@@ -338,3 +342,17 @@ def drop_ops_v3(op: Any, schema: str | None = None) -> None:
     schema = None if schema is None else sql_identifier(schema, "schema")
     op.drop_table("ledgerbox_dlq_action", schema=schema)
     op.drop_table("ledgerbox_ops_audit", schema=schema)
+
+
+def upgrade_outbox_v3_to_v4(op: Any, table: str = "outbox", schema: str | None = None) -> None:
+    """Revision 4: the outbox trigger function notifies only while a relay waits for a
+    notification (the wake gate, docs/relay.md "Wake gate"). One ``CREATE OR REPLACE
+    FUNCTION``: online, takes effect for transactions that insert after it commits."""
+    name = outbox_table_name(table)
+    op.execute(OutboxTable(name, schema=schema).notify_function_ddl(gated=True))
+
+
+def downgrade_outbox_v4_to_v3(op: Any, table: str = "outbox", schema: str | None = None) -> None:
+    """Undo :func:`upgrade_outbox_v3_to_v4`: every transaction that inserts notifies again."""
+    name = outbox_table_name(table)
+    op.execute(OutboxTable(name, schema=schema).notify_function_ddl(gated=False))

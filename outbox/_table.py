@@ -22,6 +22,7 @@ from ledgerbox._core.identifiers import (
     outbox_notify_channel,
     outbox_table_name,
     sql_identifier,
+    wake_gate_key,
 )
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
 from ledgerbox.outbox._types import Xid8
@@ -136,25 +137,48 @@ class OutboxTable:
         """Constraints whose violation means "this event was already written"."""
         return frozenset({self.idempotency_constraint, f"uq_{self.name}_event_id"})
 
-    def notify_ddl(self) -> list[str]:
-        """SQL creating the statement-level trigger that NOTIFYs at most once per transaction.
+    def notify_function_ddl(self, *, gated: bool = True) -> str:
+        """SQL (re)creating the trigger function: at most one ``NOTIFY`` per transaction, and
+        with ``gated`` only while a relay waits for one.
 
         ``pg_notify`` is transactional: delivered at COMMIT, dropped at ROLLBACK (PostgreSQL
         docs, NOTIFY). A transaction-local setting guards it so a transaction with many
-        inserts still signals once.
+        inserts signals (or tries the gate) once.
+
+        ``gated`` (schema revision 0004, docs/relay.md "Wake gate"): the transaction first
+        takes the wake gate's advisory lock in SHARE mode without waiting
+        (``pg_try_advisory_xact_lock_shared``, held to its end) and sends the ``NOTIFY``
+        only if that fails, i.e. while a relay holds or waits for the gate: a relay waits
+        for a notification only then. PostgreSQL queues notifications at commit under one
+        lock of the whole cluster, held through the commit's WAL flush, so every
+        transaction that notifies commits one after the other (docs/performance.md);
+        while the relays are busy (they poll) writers skip it. Revision 0001 created the
+        function without the gate (``gated=False``: every transaction notifies).
         """
         fn = f"{self.schema + '.' if self.schema else ''}{self.name}_notify"
         guard = f"ledgerbox.notified_{self.name}"
-        return [
-            f"""CREATE OR REPLACE FUNCTION {fn}() RETURNS trigger LANGUAGE plpgsql AS $$
+        notify = f"PERFORM pg_notify('{self.notify_channel}', '');"
+        if gated:
+            k1, k2 = wake_gate_key(self.notify_channel)
+            notify = f"""IF NOT pg_try_advisory_xact_lock_shared({k1}, {k2}) THEN
+      {notify}
+    END IF;"""
+        return f"""CREATE OR REPLACE FUNCTION {fn}() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
   IF current_setting('{guard}', true) IS DISTINCT FROM '1' THEN
     PERFORM set_config('{guard}', '1', true);
-    PERFORM pg_notify('{self.notify_channel}', '');
+    {notify}
   END IF;
   RETURN NULL;
 END
-$$""",
+$$"""
+
+    def notify_ddl(self, *, gated: bool = True) -> list[str]:
+        """SQL creating the trigger function (:meth:`notify_function_ddl`) and the
+        statement-level trigger that calls it after every ``INSERT``."""
+        fn = f"{self.schema + '.' if self.schema else ''}{self.name}_notify"
+        return [
+            self.notify_function_ddl(gated=gated),
             f"""CREATE TRIGGER {self.name}_notify AFTER INSERT ON {self.qualified_name}
 FOR EACH STATEMENT EXECUTE FUNCTION {fn}()""",
         ]

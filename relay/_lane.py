@@ -146,6 +146,10 @@ class LaneDeps:
         The reading positions of the relay's shards (shared by the lanes).
     clock : Callable[[], float]
         Monotonic clock in seconds (claim pacing).
+    idle_wait_s : Callable[[], float] | None
+        How long an idle lane waits for a wake-up before it claims again, in seconds
+        (:meth:`~ledgerbox.relay._gate.WakeGate.idle_wait_s`: short while the wake gate is
+        open and writers skip their NOTIFY); ``None``: ``config.poll_interval_s``.
     """
 
     config: RelayConfig
@@ -160,6 +164,7 @@ class LaneDeps:
     on_idle: Callable[[], None] = lambda: None
     cursors: CursorBook = field(default_factory=CursorBook)
     clock: Callable[[], float] = time.monotonic
+    idle_wait_s: Callable[[], float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +227,11 @@ class Lane:
         """The claim and the persist store."""
         return self.store, self.mark_store
 
+    @property
+    def rate(self) -> float:
+        """The lane's event rate as its claims saw it, in events per second."""
+        return self._pacer.rate
+
     def busy_shards(self) -> set[int]:
         """Shards with rows in flight, or confirmed but not persisted yet (not releasable
         now)."""
@@ -265,24 +275,27 @@ class Lane:
             await self.finish()
 
     async def _idle(self) -> None:
-        """Wait for a NOTIFY (at most ``poll_interval_s``). Cursors still queued are persisted
+        """Wait for a NOTIFY (at most ``poll_interval_s``; while the wake gate is open, at
+        most ``LaneDeps.idle_wait_s()``). Cursors still queued are persisted
         once ``PERSIST_EVERY_S`` has passed since the last persist began, unless a NOTIFY
         comes first (the next batch's persist then takes them along; an idle lane woken
         again and again persists them once that time has passed). At 1,000 events/s a
         lane goes idle after nearly every batch; persisting at once there was one persist
         per batch again."""
         deps = self._deps
+        wait_s = deps.config.poll_interval_s if deps.idle_wait_s is None else deps.idle_wait_s()
         if self._queued:
             due_s = self._last_persist + PERSIST_EVERY_S - deps.clock()
             if due_s > 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), due_s)
-                if self.wake.is_set():
-                    # (A stop or a regroup ends the loop, whose finish persists them.)
+                    await asyncio.wait_for(self.wake.wait(), min(due_s, wait_s))
+                if self.wake.is_set() or due_s > wait_s:
+                    # (A stop or a regroup ends the loop, whose finish persists them; while
+                    # the wake gate is open the lane claims again after its short wait.)
                     return
             await self._flush_persist()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.wake.wait(), deps.config.poll_interval_s)
+            await asyncio.wait_for(self.wake.wait(), wait_s)
 
     async def finish(self) -> None:
         """Drop the prefetched claim, persist what is queued and wait for it."""

@@ -619,7 +619,7 @@ class InMemoryRelayStore:
 
     # -- wake-up ---------------------------------------------------------------------------
 
-    async def notifications(self) -> AsyncIterator[None]:
+    async def notifications(self) -> AsyncIterator[str | None]:
         notified = asyncio.Event()
         self._t.listeners.add(notified)
         try:
@@ -627,7 +627,7 @@ class InMemoryRelayStore:
             while True:
                 await notified.wait()
                 notified.clear()
-                yield None
+                yield ""
         finally:
             self._t.listeners.discard(notified)
 

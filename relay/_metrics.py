@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Enum, Gauge, Histogram
 
 __all__ = [
     "ACTIVE_LANES",
@@ -22,6 +22,7 @@ __all__ = [
     "RESTAMPED",
     "RETRIES",
     "UP",
+    "WAKE_GATE",
 ]
 
 PENDING_EVENTS = Gauge(
@@ -40,7 +41,7 @@ PUBLISH_BATCH_DURATION = Histogram(
 )
 RETRIES = Counter(
     "ledgerbox_relay_retries_total",
-    "Retries after a failure, by stage (publish, mark = persist, db, listen, producer)",
+    "Retries after a failure, by stage (publish, mark = persist, db, listen, gate, producer)",
     ["stage"],
 )
 DEAD_LETTERED = Counter(
@@ -97,3 +98,10 @@ EVENT_AGE_AT_PUBLISH = Histogram(
 )
 for _change in ("acquired", "lost", "released", "leader"):
     LEASE_CHANGES.labels(change=_change)  # every series exported at 0 from the start
+WAKE_GATE = Enum(
+    "ledgerbox_relay_wake_gate",
+    "This relay and the wake gate: guarded (it holds it, writers notify), covered (another "
+    "relay holds it), open (its lanes poll, writers skip NOTIFY), off (no gate: writers "
+    "always notify); docs/relay.md, Wake gate",
+    states=["off", "open", "guarded", "covered"],
+)

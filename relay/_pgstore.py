@@ -36,9 +36,11 @@ from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict
 
 from ledgerbox._core.database_url import connect_args
+from ledgerbox._core.identifiers import wake_gate_key
 from ledgerbox._core.names import SCHEMA_VERSION_TABLE
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import StoreError
+from ledgerbox.relay._gate import GATE_PAYLOAD
 from ledgerbox.relay._store import (
     Claim,
     ClaimedEvent,
@@ -670,6 +672,21 @@ WHERE shard = %(shard)s
 
 SYSTEM_ID: LiteralString = "SELECT system_identifier FROM pg_control_system()"
 
+#: The wake gate (docs/relay.md "Wake gate"): take it EXCLUSIVE without waiting, then say
+#: whether any session holds it EXCLUSIVE (the select list runs left to right).
+GATE_TRY: LiteralString = """
+SELECT pg_try_advisory_lock(%(k1)s, %(k2)s),
+       EXISTS (SELECT 1 FROM pg_locks
+               WHERE locktype = 'advisory' AND classid = %(o1)s::bigint::oid
+                 AND objid = %(o2)s::bigint::oid AND objsubid = 2
+                 AND mode = 'ExclusiveLock' AND granted)"""
+#: Release the gate; the notification (delivered at this statement's commit, after the
+#: unlock) tells covered relays that their cover is gone.
+GATE_RELEASE: LiteralString = (
+    "SELECT pg_advisory_unlock(%(k1)s, %(k2)s), pg_notify(%(channel)s, %(payload)s)"
+)
+GATE_PING: LiteralString = "SELECT 1"
+
 
 class PgRelayStore:
     """:class:`~ledgerbox.relay._store.RelayStore` on PostgreSQL: the relay's SQL on one
@@ -1234,12 +1251,36 @@ class PgRelayStore:
             done.append(RebasedShard(shard, int(again), int(frozen)))
         return done
 
+    # -- wake gate (role "gate", docs/relay.md "Wake gate") --------------------------------------
+
+    def _gate_params(self) -> dict[str, Any]:
+        k1, k2 = wake_gate_key(self._channel)
+        # pg_locks shows the two int4 keys as oids (unsigned).
+        return {"k1": k1, "k2": k2, "o1": k1 & 0xFFFFFFFF, "o2": k2 & 0xFFFFFFFF}
+
+    async def gate_try(self) -> tuple[bool, bool]:
+        """``(taken, held)``: ``pg_try_advisory_lock`` of the wake gate on this connection
+        (a session lock: never taken twice by one store, see :class:`WakeGate`), and whether
+        any session holds it EXCLUSIVE after the attempt (``pg_locks``)."""
+        rows = await self._fetch(GATE_TRY, self._gate_params(), "gate")
+        return bool(rows[0][0]), bool(rows[0][1])
+
+    async def gate_release(self) -> None:
+        """Release the wake gate and notify the channel with payload ``"gate"``."""
+        params = {**self._gate_params(), "channel": self._channel, "payload": GATE_PAYLOAD}
+        await self._fetch(GATE_RELEASE, params, "gate")
+
+    async def gate_ping(self) -> None:
+        """One round trip on the gate connection (raises if it, and the lock, are gone)."""
+        await self._fetch(GATE_PING, {}, "gate")
+
     # -- wake-up -------------------------------------------------------------------------------
 
-    async def notifications(self) -> AsyncIterator[None]:
-        """LISTEN on the outbox channel; yields once as soon as LISTEN is active (a commit
-        just before it sent no notification the caller could see), then once per
-        notification. A hint only.
+    async def notifications(self) -> AsyncIterator[str | None]:
+        """LISTEN on the outbox channel; yields ``None`` once as soon as LISTEN is active (a
+        commit just before it sent no notification the caller could see), then each
+        notification's payload (``""`` from the write path, ``"gate"`` from a relay
+        releasing the wake gate). A hint only.
 
         Raises :class:`StoreError` when the connection drops; the caller reconnects.
         """
@@ -1247,8 +1288,8 @@ class PgRelayStore:
         try:
             await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
             yield None
-            async for _ in conn.notifies():
-                yield None
+            async for notice in conn.notifies():
+                yield notice.payload
         except psycopg.Error as exc:
             await self._after_error()
             raise _translate(exc, "listen") from exc

@@ -63,6 +63,7 @@ from ledgerbox._core.stop import StopSignal
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._cursor import CursorBook
+from ledgerbox.relay._gate import GateStore, WakeGate, WakeGateDeps
 from ledgerbox.relay._health import HealthReport, RelayHealth
 from ledgerbox.relay._hooks import RelayHooks
 from ledgerbox.relay._lane import Lane, LaneDeps
@@ -92,7 +93,8 @@ class Relay:
     store_factory : Callable[[str], RelayStore] | None
         Builds the store of each role: ``"main"``/``"mark"`` (claims and persists of one
         lane) or ``"main<i>"``/``"mark<i>"`` (lane ``i`` of several), ``"lease"``,
-        ``"maint"``, ``"listen"``.
+        ``"maint"``, ``"listen"``, ``"gate"`` (the wake gate's lock, used only if the
+        store has the gate's methods: :class:`~ledgerbox.relay._gate.GateStore`).
         Default: a PostgreSQL store per role (own connection). Tests pass
         ``InMemoryRelayStore(...).factory(...)`` or a wrapper that injects faults.
     hooks : RelayHooks | None
@@ -163,6 +165,19 @@ class Relay:
                 stop=self._stop,
             )
         )
+        gate_store = stores("gate")
+        self._gate = WakeGate(
+            WakeGateDeps(
+                store=gate_store if isinstance(gate_store, GateStore) else None,
+                rate=self._rate,
+                wake_all=self._wake_all,
+                poll_interval_s=config.poll_interval_s,
+                backoff=backoff,
+                stop=self._stop,
+                clock=clock,
+            )
+        )
+        self._gate_store = gate_store
         self._idle = asyncio.Event()
         self._wakeup = WakeUp(
             WakeUpDeps(
@@ -172,6 +187,7 @@ class Relay:
                 stop=self._stop,
                 idle=self._idle,
                 clock=clock,
+                on_notification=self._gate.on_notification,
             )
         )
         # Adaptive lanes (run()): ``_active`` lanes run, shards split by ``shard % _active``.
@@ -192,6 +208,7 @@ class Relay:
             on_idle=self._idle.set,
             cursors=CursorBook(),
             clock=clock,
+            idle_wait_s=self._gate.idle_wait_s,
         )
         one = config.lanes == 1
         self._lanes = [
@@ -216,6 +233,7 @@ class Relay:
         tasks = [
             asyncio.create_task(self._leases.run(), name="relay-heartbeat"),
             asyncio.create_task(self._wakeup.run(), name="relay-listen"),
+            asyncio.create_task(self._gate.run(), name="relay-gate"),
             asyncio.create_task(self._maintenance.run(), name="relay-maintenance"),
         ]
         try:
@@ -274,6 +292,7 @@ class Relay:
                 await lane.finish()
         await self._leases.release_all()
         await self._producer.stop()
+        await self._gate.aclose()
         stores = [self._lease_store, self._maint_store, self._listen_store]
         for lane in self._lanes:
             stores += lane.stores
@@ -319,6 +338,10 @@ class Relay:
         return await self._maintenance.cleanup_once()
 
     # -- wiring ----------------------------------------------------------------------------
+
+    def _rate(self) -> float:
+        # The running lanes' event rates (their claims' moving averages), summed.
+        return sum(lane.rate for lane in self._lanes[: self._active])
 
     def _wake_all(self) -> None:
         for lane in self._lanes:

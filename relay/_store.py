@@ -481,9 +481,11 @@ class RelayStore(Protocol):
 
     # -- wake-up ---------------------------------------------------------------------------
 
-    def notifications(self) -> AsyncIterator[None]:
-        """Yield once as soon as listening is active (a commit just before it notified no
-        one), then once per committed transaction that wrote outbox rows. A hint only."""
+    def notifications(self) -> AsyncIterator[str | None]:
+        """Yield ``None`` once as soon as listening is active (a commit just before it
+        notified no one), then each notification's payload: once per committed transaction
+        that wrote outbox rows and notified, ``"gate"`` when a relay released the wake gate
+        (:mod:`ledgerbox.relay._gate`). A hint only."""
 
     async def aclose(self) -> None:
         """Release the connection (idempotent); the next call reconnects."""

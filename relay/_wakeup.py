@@ -56,6 +56,9 @@ class WakeUpDeps:
         ``None``: read every notification at once.
     clock : Callable[[], float]
         Monotonic clock in seconds (how long LISTEN was lost, in the line when it is back).
+    on_notification : Callable[[str | None], None]
+        Called with each notification's payload before the lanes are woken
+        (:meth:`~ledgerbox.relay._gate.WakeGate.on_notification`).
     """
 
     store: RelayStore
@@ -64,6 +67,7 @@ class WakeUpDeps:
     stop: StopSignal
     idle: asyncio.Event | None = None
     clock: Callable[[], float] = time.monotonic
+    on_notification: Callable[[str | None], None] = lambda payload: None
 
 
 class WakeUp:
@@ -99,11 +103,12 @@ class WakeUp:
             try:
                 # The first item comes once LISTEN is active: a commit before it notified
                 # no one, so every lane claims then (and on every notification after).
-                async for _ in deps.store.notifications():
+                async for payload in deps.store.notifications():
                     if lost_at is not None:
                         log.warning("LISTEN connection back after %.1f s", deps.clock() - lost_at)
                         lost_at = None
                     attempt = 0
+                    deps.on_notification(payload)
                     deps.wake_all()
                     await self._until_wanted()
             except StoreError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable
 
@@ -167,6 +168,23 @@ def outbox_notify_channel(table: str, schema: str | None) -> str:
             "shorten the table or schema name"
         )
     return channel
+
+
+#: First half of the wake gate's advisory lock key: "ledg" (a constant, so that the key of
+#: one outbox table never collides with an application's one-argument advisory locks).
+WAKE_GATE_CLASS = 0x6C656467
+
+
+def wake_gate_key(channel: str) -> tuple[int, int]:
+    """The two ``int4`` advisory lock keys of the outbox ``channel``'s wake gate.
+
+    ``(WAKE_GATE_CLASS, h)`` with ``h`` the first 4 bytes of BLAKE2b(channel) as a signed
+    ``int4``: stable across Python and PostgreSQL versions (``hashtext`` is not promised to
+    be). The write path's trigger and the relay compute the same pair (docs/relay.md, "Wake
+    gate").
+    """
+    digest = hashlib.blake2b(channel.encode(), digest_size=4).digest()
+    return WAKE_GATE_CLASS, int.from_bytes(digest, "big", signed=True)
 
 
 def kafka_topic(value: str) -> str:

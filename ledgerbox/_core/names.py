@@ -55,5 +55,5 @@ KNOWN_HEADERS = frozenset(
 #: every revision in order. Daemons compare ``ledgerbox_alembic_version`` with it at start
 #: (a test keeps it equal to the Alembic head). Here, not in the migrations package, so that
 #: the relay daemon never imports Alembic.
-SCHEMA_REVISIONS = ("0001", "0002", "0003")
+SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004")
 SCHEMA_REVISION = SCHEMA_REVISIONS[-1]

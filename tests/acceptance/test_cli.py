@@ -259,7 +259,7 @@ def test_migrate_refuses_an_unknown_revision_in_one_line_listing_the_revisions()
     assert result.returncode == 2, result
     assert _one_line(result) == (
         "ledgerbox migrate: revision 'bogus' is not a ledgerbox schema revision: give head or "
-        "one of 0001, 0002, 0003; set --revision or LEDGERBOX_MIGRATE_REVISION"
+        "one of 0001, 0002, 0003, 0004; set --revision or LEDGERBOX_MIGRATE_REVISION"
     )
 
 
@@ -272,7 +272,7 @@ def test_migrate_says_a_relative_revision_that_does_not_resolve_in_one_line(
     assert line.startswith("migrate failed: Relative revision +5 didn't produce 5 migrations: "), (
         line
     )
-    assert "give --revision head or one of 0001, 0002, 0003" in line
+    assert "give --revision head or one of 0001, 0002, 0003, 0004" in line
 
 
 def test_migrate_and_consumer_check_take_the_libpq_form_of_the_url(
@@ -329,11 +329,11 @@ def test_migrate_prints_the_revision_the_database_is_at_and_says_when_it_is_ahea
     assert first.returncode == 0, first.stderr
     assert first.stdout.splitlines() == ["ledgerbox tables at 0002 (cli_ahead)"]
     head = _run("migrate", *db)
-    assert head.stdout.splitlines() == ["ledgerbox tables at 0003 (cli_ahead)"], head
+    assert head.stdout.splitlines() == ["ledgerbox tables at 0004 (cli_ahead)"], head
     back = _run("migrate", *db, "--revision", "0001")
     assert back.returncode == 0, back.stderr
     assert back.stdout.splitlines() == [
-        "ledgerbox tables at 0003 (cli_ahead), past the requested 0001: nothing done "
+        "ledgerbox tables at 0004 (cli_ahead), past the requested 0001: nothing done "
         "(`ledgerbox migrate` only upgrades; to go back, stop the relays and run "
         "alembic.command.downgrade(ledgerbox.migrations.alembic_config(url, names), '0001'): "
         "docs/migrations.md)"
@@ -342,7 +342,7 @@ def test_migrate_prints_the_revision_the_database_is_at_and_says_when_it_is_ahea
         version = conn.execute(
             sa.text("SELECT version_num FROM cli_ahead.ledgerbox_alembic_version")
         )
-        assert version.scalar_one() == "0003"
+        assert version.scalar_one() == "0004"
 
 
 _NO_SERVICES = {"DATABASE_URL": "", "KAFKA_BOOTSTRAP_SERVERS": ""}

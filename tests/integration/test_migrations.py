@@ -72,6 +72,30 @@ def test_custom_names_downgrade_and_upgrade_again(engine: Engine, database_url: 
     assert _diff(engine, names) == []
 
 
+def test_revision_4_gates_the_trigger_and_its_downgrade_notifies_always(
+    engine: Engine, database_url: str
+) -> None:
+    names = migrations.Names(schema="gated", outbox_table="g_outbox", inbox_table="g_inbox")
+    config = migrations.alembic_config(database_url, names)
+
+    def body() -> str:
+        with engine.connect() as conn:
+            return str(
+                conn.execute(
+                    sa.text("SELECT prosrc FROM pg_proc WHERE proname = 'g_outbox_notify'")
+                ).scalar_one()
+            )
+
+    command.upgrade(config, "0003")
+    assert "pg_try_advisory_xact_lock_shared" not in body()  # revision 1's trigger, frozen
+    command.upgrade(config, "head")
+    assert "pg_try_advisory_xact_lock_shared" in body()
+    command.downgrade(config, "0003")
+    assert "pg_try_advisory_xact_lock_shared" not in body()
+    assert "pg_notify" in body()
+    command.downgrade(config, "base")
+
+
 async def test_a_v1_database_upgraded_online_publishes_each_v1_pending_event_once_in_order(
     empty_database_url: str,
 ) -> None:

@@ -32,6 +32,7 @@ from sqlalchemy.orm import (
 )
 
 from ledgerbox import migrations
+from ledgerbox._core.identifiers import wake_gate_key
 from ledgerbox.outbox import (
     EventEnvelope,
     EventIdConflictError,
@@ -312,6 +313,8 @@ def test_notify_only_after_commit_once_per_transaction_never_after_rollback(
 ) -> None:
     with psycopg.connect(_notify_conninfo(database_url), autocommit=True) as listener:
         listener.execute(f'LISTEN "{TABLE.notify_channel}"')
+        # Writers notify while a relay waits for it, holding the wake gate (relay._gate).
+        listener.execute("SELECT pg_advisory_lock(%s, %s)", wake_gate_key(TABLE.notify_channel))
         with Session(engine) as session:
             session.begin()
             WRITER.stage(session, _event(80))

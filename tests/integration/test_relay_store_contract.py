@@ -5,6 +5,7 @@ in-memory store used by pure-logic tests keeps the SQL store's semantics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 
@@ -12,6 +13,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 from ledgerbox.outbox import EventEnvelope, shard_of
+from ledgerbox.relay._gate import GATE_PAYLOAD, GateStore
 from ledgerbox.relay._pgstore import PgRelayStore
 from ledgerbox.relay._store import (
     Cursor,
@@ -356,6 +358,9 @@ async def test_cleanup_deletes_only_published_rows_past_retention(db: _Harness) 
 
 async def test_notifications_yield_once_listening_then_on_a_commit(db: _Harness) -> None:
     me = await db.store("a")
+    if isinstance(me, GateStore):  # writers notify while a relay holds the wake gate
+        gate = await db.store("gate")
+        assert await gate.gate_try() == (True, True)  # type: ignore[attr-defined]
     stream = me.notifications()
     await asyncio.wait_for(anext(stream), 10)  # LISTEN is active
     waiting = asyncio.ensure_future(anext(stream))
@@ -410,3 +415,65 @@ async def test_the_urls_own_options_reach_the_relays_connections(
         assert (settings, timeout) == (("7MB",), ("1min",)), "the URL's and the relay's"
     finally:
         await harness.aclose()
+
+
+class _Payloads:
+    """Reads a store's notifications in a task (a timed-out ``anext`` would close the
+    stream): ``next(within_s)`` is the next payload, TimeoutError if none came."""
+
+    def __init__(self, store: RelayStore) -> None:
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self.task = asyncio.ensure_future(self._read(store))
+
+    async def _read(self, store: RelayStore) -> None:
+        async for payload in store.notifications():
+            self.queue.put_nowait(payload)
+
+    async def next(self, within_s: float) -> str | None:
+        return await asyncio.wait_for(self.queue.get(), within_s)
+
+    async def aclose(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+async def test_writers_notify_only_while_a_relay_holds_the_wake_gate(
+    engine: Engine, database_url: str
+) -> None:
+    """The wake gate (relay._gate): the trigger notifies only if it cannot take the gate in
+    SHARE mode; a writer that skipped its NOTIFY keeps it until it ends, so no relay can take
+    the gate (and then trust notifications) before that writer's row is committed."""
+    db = _Postgres(engine, database_url)
+    try:
+        stream = _Payloads(await db.store("a"))
+        assert await stream.next(10) is None  # LISTEN is active
+        writer = rs.writer_for("contract-gate")
+        # No relay holds the gate: the commit sends no notification.
+        await asyncio.to_thread(db.add, [rs.event(writer, "g", 1)])
+        with pytest.raises(TimeoutError):
+            await stream.next(0.5)
+        # A writer in flight that skipped its NOTIFY holds the gate in SHARE mode.
+        with engine.connect() as conn:
+            tx = conn.begin()
+            rs.writer_for("contract-gate").stage(conn, rs.event(writer, "g", 2))
+            first, second = await db.store("gate1"), await db.store("gate2")
+            assert await first.gate_try() == (False, False), "a writer in flight: not yet"
+            tx.commit()
+        assert await first.gate_try() == (True, True)
+        assert await second.gate_try() == (False, True), "held by another relay: covered"
+        with pytest.raises(TimeoutError):
+            await stream.next(0.3)  # (the in-flight writer skipped its NOTIFY)
+        # Held: every writer notifies, once per transaction.
+        await asyncio.to_thread(db.add, [rs.event(writer, "g", 3)])
+        assert await stream.next(10) == ""
+        # Released: one "gate" notification, then writers are silent again.
+        await first.gate_release()
+        assert await stream.next(10) == GATE_PAYLOAD
+        await asyncio.to_thread(db.add, [rs.event(writer, "g", 4)])
+        with pytest.raises(TimeoutError):
+            await stream.next(0.5)
+        assert await second.gate_try() == (True, True)
+        await stream.aclose()
+    finally:
+        await db.aclose()

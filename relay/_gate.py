@@ -1,0 +1,261 @@
+"""The wake gate: writers send their ``NOTIFY`` only while a relay waits for one.
+
+PostgreSQL queues a transaction's notifications at commit under one lock of the whole
+cluster, held through the commit's WAL flush: every transaction that notifies commits after
+the previous one, without group commit (8 concurrent writers: 3,400 instead of 7,600
+commits/s on this machine, docs/performance.md). A relay that is busy claims again anyway;
+only a relay that waits needs the notification.
+
+The gate is one advisory lock per outbox table (:func:`~ledgerbox._core.identifiers.wake_gate_key`).
+The write path's trigger (schema revision 0004) takes it in SHARE mode without waiting, held
+to the end of its transaction, and notifies only if that fails. A relay holds it
+EXCLUSIVE while it waits for notifications (``GUARDED``):
+
+* A writer that skipped its NOTIFY held the lock in SHARE mode until it committed or
+  rolled back, so the relay's ``pg_try_advisory_lock`` succeeds only after every such
+  writer ended; the relay then claims once (every lane is woken) and sees their rows. From
+  then on, every writer's SHARE attempt fails and it notifies.
+* Only one relay can hold the lock. Another relay that finds it held by someone
+  (``pg_locks``) is ``COVERED``: at that moment no writer that skipped its NOTIFY was in
+  flight, it claims once, and from then on writers notify while the holder holds. The
+  holder releases with a notification (payload ``"gate"``) in the same statement, so a
+  covered relay hears that the cover is gone and goes back to polling (``OPEN``) before it
+  tries the gate again. A holder that dies without releasing leaves the covered relays to
+  their ``poll_interval_s`` (they re-check the gate at that pace).
+* While a relay's rate of events is high (``OPEN_RATE`` events/s) it lets the gate go:
+  writers stop notifying and its idle lanes poll every ``OPEN_POLL_S`` (a lane in a stream
+  of events claims again at once anyway; the claim pacer spaces the claims). Below
+  ``CLOSE_RATE`` it takes the gate again.
+
+A store without the gate (the in-memory store, a revision-3 database where the trigger
+always notifies) leaves the gate ``OFF``: lanes wait for notifications, as before.
+
+Design rule (../shared/DESIGN.md section 3): NOTIFY stays a hint with a polling fallback;
+the gate only decides who waits for it (docs/relay.md, "Wake gate").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from ledgerbox._core.backoff import Backoff
+from ledgerbox._core.stop import StopSignal
+from ledgerbox.relay import _metrics as m
+from ledgerbox.relay._errors import StoreError
+
+__all__ = [
+    "CLOSE_RATE",
+    "GATE_PAYLOAD",
+    "OPEN_POLL_S",
+    "OPEN_RATE",
+    "GateState",
+    "GateStore",
+    "WakeGate",
+    "WakeGateDeps",
+]
+
+#: Events per second of one relay (its lanes' claim rates summed) from which it releases
+#: the gate: writers stop notifying, its lanes poll.
+OPEN_RATE = 400.0
+#: Events per second below which a relay whose gate is open takes it again.
+CLOSE_RATE = 100.0
+#: Longest wait of an idle lane while the gate is open, in seconds (its next claim is
+#: paced by the claim pacer as in a stream of notifications).
+OPEN_POLL_S = 0.005
+#: Pause between two attempts to take the gate while writers hold it in SHARE mode, s.
+RETRY_S = 0.01
+#: How often the gate task looks at the relay's rate, in seconds.
+CHECK_S = 0.05
+#: Payload of the notification a relay sends when it releases the gate.
+GATE_PAYLOAD = "gate"
+
+log = logging.getLogger("ledgerbox.relay")
+
+
+class GateState(enum.Enum):
+    """Where a relay stands with the wake gate."""
+
+    OFF = "off"  # the store has no gate: writers always notify
+    OPEN = "open"  # not held by this relay and not known held: lanes poll
+    GUARDED = "guarded"  # this relay holds it: writers notify
+    COVERED = "covered"  # another relay holds it: writers notify
+
+
+@runtime_checkable
+class GateStore(Protocol):
+    """The gate's own connection (role ``"gate"``; session advisory lock)."""
+
+    async def gate_try(self) -> tuple[bool, bool]:
+        """``(taken, held)``: took the gate EXCLUSIVE without waiting; and whether it is
+        held EXCLUSIVE by any session after the attempt (this one included)."""
+        ...
+
+    async def gate_release(self) -> None:
+        """Release the gate and notify with payload :data:`GATE_PAYLOAD` (one statement)."""
+        ...
+
+    async def gate_ping(self) -> None:
+        """A round trip: raises :class:`StoreError` if the connection (and its lock) is gone."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close the connection (which releases the gate)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class WakeGateDeps:
+    """What :class:`WakeGate` uses.
+
+    Attributes
+    ----------
+    store : GateStore | None
+        The gate connection; ``None``: no gate (``OFF``).
+    rate : Callable[[], float]
+        The relay's event rate as its claims see it, in events per second.
+    wake_all : Callable[[], None]
+        Wakes every lane (it claims once).
+    poll_interval_s : float
+        The lanes' poll while they wait for notifications; also how often a guarded or
+        covered relay checks that its cover still holds.
+    backoff : Backoff
+    stop : StopSignal
+    clock : Callable[[], float]
+        Monotonic clock in seconds.
+    """
+
+    store: GateStore | None
+    rate: Callable[[], float]
+    wake_all: Callable[[], None]
+    poll_interval_s: float
+    backoff: Backoff
+    stop: StopSignal
+    clock: Callable[[], float] = time.monotonic
+
+
+class WakeGate:
+    """Holds, releases and watches the wake gate of one relay (module docstring).
+
+    Parameters
+    ----------
+    deps : WakeGateDeps
+    """
+
+    def __init__(self, deps: WakeGateDeps) -> None:
+        self._deps = deps
+        self._state = GateState.OFF if deps.store is None else GateState.OPEN
+        self._notice = asyncio.Event()
+
+    @property
+    def state(self) -> GateState:
+        """The relay's stand with the gate now."""
+        return self._state
+
+    def idle_wait_s(self) -> float:
+        """How long an idle lane waits for a wake-up before it claims again, in seconds:
+        ``poll_interval_s`` while writers notify (the gate is held by someone, or there is
+        no gate), :data:`OPEN_POLL_S` while the gate is open."""
+        if self._state is GateState.OPEN:
+            return min(OPEN_POLL_S, self._deps.poll_interval_s)
+        return self._deps.poll_interval_s
+
+    def on_notification(self, payload: str | None) -> None:
+        """Called for every notification: a release (payload :data:`GATE_PAYLOAD`) ends the
+        cover of a covered relay at once (its lanes poll from here on), before its lanes,
+        woken by the same notification, go back to waiting."""
+        if payload == GATE_PAYLOAD and self._state is GateState.COVERED:
+            self._set(GateState.OPEN)
+            self._notice.set()
+
+    def _set(self, state: GateState) -> None:
+        if state is not self._state:
+            log.debug("wake gate %s -> %s", self._state.value, state.value)
+            self._state = state
+            m.WAKE_GATE.state(state.value)
+
+    async def run(self) -> None:
+        """Until stopped (cancelled by the relay); never raises on database errors (the gate
+        goes open: the lanes poll; ``retries_total{stage="gate"}``)."""
+        deps = self._deps
+        if deps.store is None:
+            return
+        m.WAKE_GATE.state(self._state.value)
+        attempt = 0
+        while not deps.stop.is_set():
+            try:
+                await self._step()
+                attempt = 0
+            except StoreError as exc:
+                attempt += 1
+                m.RETRIES.labels(stage="gate").inc()
+                log.debug("wake gate: %s", exc, extra={"attempt": attempt})
+                self._open()
+                await deps.store.aclose()
+                await deps.stop.sleep(deps.backoff.delay_s(attempt))
+
+    async def aclose(self) -> None:
+        """Release the gate if this relay holds it (with the notification that tells the
+        covered relays), then close its connection. Never raises on database errors."""
+        store = self._deps.store
+        if store is None:
+            return
+        if self._state is GateState.GUARDED:
+            try:
+                await store.gate_release()
+            except StoreError as exc:
+                log.debug("wake gate release on close: %s", exc)
+        self._set(GateState.OPEN)
+        await store.aclose()
+
+    def _open(self) -> None:
+        if self._state is not GateState.OPEN:
+            self._set(GateState.OPEN)
+            self._deps.wake_all()
+
+    async def _step(self) -> None:
+        deps = self._deps
+        store = deps.store
+        assert store is not None
+        state = self._state
+        if state is GateState.OPEN:
+            if deps.rate() >= CLOSE_RATE:
+                await deps.stop.sleep(CHECK_S)
+                return
+            taken, held = await store.gate_try()
+            if taken or held:
+                self._set(GateState.GUARDED if taken else GateState.COVERED)
+                # Every writer that skipped its NOTIFY has ended: claim once to see its rows.
+                deps.wake_all()
+            else:
+                await deps.stop.sleep(RETRY_S)
+            return
+        # GUARDED or COVERED: watch the rate; re-check the cover every poll_interval_s.
+        due = deps.clock() + deps.poll_interval_s
+        self._notice.clear()
+        while deps.clock() < due and self._state is state and not deps.stop.is_set():
+            if deps.rate() >= OPEN_RATE:
+                if state is GateState.GUARDED:
+                    await store.gate_release()
+                self._open()
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._notice.wait(), CHECK_S)
+        if self._state is not state:
+            return  # a release notification opened it (on_notification)
+        if state is GateState.GUARDED:
+            await store.gate_ping()
+            return
+        taken, held = await store.gate_try()
+        if taken:
+            self._set(GateState.GUARDED)
+        elif not held:
+            self._open()
+            return
+        deps.wake_all()
