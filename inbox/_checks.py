@@ -39,7 +39,7 @@ from ledgerbox._core.errors import BrokerError, DatabaseError, kafka_unreachable
 from ledgerbox._core.faults import login_refused
 from ledgerbox._core.kafka import KafkaSettings
 from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka
-from ledgerbox._core.names import SCHEMA_REVISION, SCHEMA_VERSION_TABLE
+from ledgerbox._core.names import SCHEMA_REVISION_MIN, SCHEMA_VERSION_TABLE, revision_served
 from ledgerbox.inbox._config import ConsumerConfig
 from ledgerbox.inbox._health import Health
 from ledgerbox.inbox._table import InboxTable
@@ -178,11 +178,11 @@ async def _check_schema(conn: AsyncConnection, config: ConsumerConfig) -> CheckR
     # A role that may not read the version table: the column check above still guards.
     if await conn.scalar(readable, {"t": versions}):
         revisions = set((await conn.execute(sa.text(_REVISIONS.format(table=versions)))).scalars())
-        if SCHEMA_REVISION not in revisions:
+        if not any(revision_served(r) for r in revisions):
             at = ", ".join(sorted(revisions)) or "none"
             return _down(
                 f'ledgerbox schema in database "{database}" is at revision {at}, this version '
-                f"needs {SCHEMA_REVISION}: run ledgerbox migrate"
+                f"needs {SCHEMA_REVISION_MIN} or later: run ledgerbox migrate"
             )
     wanted = ["SELECT", "INSERT", "UPDATE"]
     lacking = list((await conn.execute(_PRIVILEGES, {"wanted": wanted, "table": name})).scalars())

@@ -16,7 +16,7 @@ from ledgerbox._core.database_url import database_label, refused_login
 from ledgerbox._core.errors import kafka_unreachable
 from ledgerbox._core.faults import Fault, login_refused
 from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka
-from ledgerbox._core.names import SCHEMA_REVISION, SCHEMA_REVISIONS
+from ledgerbox._core.names import SCHEMA_REVISION_MIN, SCHEMA_REVISIONS, revision_served
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import PublishError, StoreError
 from ledgerbox.relay._policy import shard_ranges
@@ -181,16 +181,17 @@ def _schema_problems(config: RelayConfig, report: SchemaReport) -> list[Problem]
             )
         )
         return problems
-    if report.revision is not None and report.revision != SCHEMA_REVISION:
+    if report.revision is not None and not revision_served(report.revision):
         if report.revision in SCHEMA_REVISIONS:
             line = (
                 f"the ledgerbox tables are at schema revision {report.revision}, this relay "
-                f"needs {SCHEMA_REVISION}: run `ledgerbox migrate`"
+                f"needs {SCHEMA_REVISION_MIN} or later: run `ledgerbox migrate`"
             )
         else:
             line = (
                 f"the ledgerbox tables are at schema revision {report.revision!r}, which this "
-                f"relay does not know (it needs {SCHEMA_REVISION}): upgrade ledgerbox"
+                f"relay does not know (it needs {SCHEMA_REVISION_MIN} or later): upgrade "
+                "ledgerbox"
             )
         problems.append(Problem(False, line))
     if report.missing_columns:

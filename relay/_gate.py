@@ -69,9 +69,12 @@ CLOSE_RATE = 100.0
 #: Longest wait of an idle lane while the gate is open, in seconds (its next claim is
 #: paced by the claim pacer as in a stream of notifications).
 OPEN_POLL_S = 0.005
-#: Pause between two attempts to take the gate while writers hold it in SHARE mode, s.
+#: First pause between two attempts to take the gate while writers hold it in SHARE mode,
+#: in seconds; it doubles up to ``RETRY_MAX_S`` (a long writer transaction).
 RETRY_S = 0.01
-#: How often the gate task looks at the relay's rate, in seconds.
+RETRY_MAX_S = 0.25
+#: How often the gate task looks at the relay's rate and checks the cover (a round trip on
+#: the gate connection: a ping while guarded, a try while covered), in seconds.
 CHECK_S = 0.05
 #: Payload of the notification a relay sends when it releases the gate.
 GATE_PAYLOAD = "gate"
@@ -94,7 +97,8 @@ class GateStore(Protocol):
 
     async def gate_try(self) -> tuple[bool, bool]:
         """``(taken, held)``: took the gate EXCLUSIVE without waiting; and whether it is
-        held EXCLUSIVE by any session after the attempt (this one included)."""
+        held EXCLUSIVE after the attempt (by this session, or by another one of the same
+        database: a SHARE probe fails)."""
         ...
 
     async def gate_release(self) -> None:
@@ -123,12 +127,14 @@ class WakeGateDeps:
     wake_all : Callable[[], None]
         Wakes every lane (it claims once).
     poll_interval_s : float
-        The lanes' poll while they wait for notifications; also how often a guarded or
-        covered relay checks that its cover still holds.
+        The lanes' poll while they wait for notifications.
     backoff : Backoff
     stop : StopSignal
     clock : Callable[[], float]
         Monotonic clock in seconds.
+    listening : Callable[[], bool]
+        Whether the relay's LISTEN is active: a relay waits for notifications (takes or
+        trusts the gate) only then.
     """
 
     store: GateStore | None
@@ -138,6 +144,7 @@ class WakeGateDeps:
     backoff: Backoff
     stop: StopSignal
     clock: Callable[[], float] = time.monotonic
+    listening: Callable[[], bool] = lambda: True
 
 
 class WakeGate:
@@ -151,7 +158,10 @@ class WakeGate:
     def __init__(self, deps: WakeGateDeps) -> None:
         self._deps = deps
         self._state = GateState.OFF if deps.store is None else GateState.OPEN
+        self._holding = False  # this relay's gate connection holds the lock
+        self._releases = 0  # release notifications heard (payload "gate")
         self._notice = asyncio.Event()
+        self._retry_s = RETRY_S
 
     @property
     def state(self) -> GateState:
@@ -167,11 +177,25 @@ class WakeGate:
         return self._deps.poll_interval_s
 
     def on_notification(self, payload: str | None) -> None:
-        """Called for every notification: a release (payload :data:`GATE_PAYLOAD`) ends the
-        cover of a covered relay at once (its lanes poll from here on), before its lanes,
-        woken by the same notification, go back to waiting."""
-        if payload == GATE_PAYLOAD and self._state is GateState.COVERED:
+        """Called by the listener for every notification, before it wakes the lanes.
+
+        A release (payload :data:`GATE_PAYLOAD`) ends a cover at once, before the lanes woken
+        by the same notification go back to waiting; so does ``None`` (LISTEN active again:
+        a release may have been missed while it was not). A guarded relay stays guarded:
+        the listener wakes its lanes, which claim what was missed."""
+        if payload == GATE_PAYLOAD:
+            self._releases += 1
+        if (payload == GATE_PAYLOAD or payload is None) and self._state is GateState.COVERED:
             self._set(GateState.OPEN)
+            self._notice.set()
+
+    def on_listen_lost(self) -> None:
+        """Called by the listener when its connection dropped: no notification can reach the
+        lanes, so they poll (``OPEN``) at once; a guarded relay then releases the gate (its
+        task), and no relay takes it again before LISTEN is back."""
+        if self._state in (GateState.GUARDED, GateState.COVERED):
+            self._set(GateState.OPEN)
+            self._deps.wake_all()
             self._notice.set()
 
     def _set(self, state: GateState) -> None:
@@ -181,8 +205,10 @@ class WakeGate:
             m.WAKE_GATE.state(state.value)
 
     async def run(self) -> None:
-        """Until stopped (cancelled by the relay); never raises on database errors (the gate
-        goes open: the lanes poll; ``retries_total{stage="gate"}``)."""
+        """Until stopped (cancelled by the relay); never raises: on a database error (or a
+        bug) the gate goes open, the lanes poll, the connection is closed (which releases
+        the lock) and the gate is tried again after a backoff
+        (``retries_total{stage="gate"}``)."""
         deps = self._deps
         if deps.store is None:
             return
@@ -192,12 +218,17 @@ class WakeGate:
             try:
                 await self._step()
                 attempt = 0
-            except StoreError as exc:
+            except Exception as exc:
                 attempt += 1
                 m.RETRIES.labels(stage="gate").inc()
-                log.debug("wake gate: %s", exc, extra={"attempt": attempt})
+                if isinstance(exc, StoreError):
+                    log.debug("wake gate: %s", exc, extra={"attempt": attempt})
+                else:
+                    log.exception("wake gate: unexpected error (the lanes poll meanwhile)")
                 self._open()
-                await deps.store.aclose()
+                self._holding = False
+                with contextlib.suppress(Exception):
+                    await deps.store.aclose()
                 await deps.stop.sleep(deps.backoff.delay_s(attempt))
 
     async def aclose(self) -> None:
@@ -206,11 +237,12 @@ class WakeGate:
         store = self._deps.store
         if store is None:
             return
-        if self._state is GateState.GUARDED:
+        if self._holding:
             try:
                 await store.gate_release()
             except StoreError as exc:
                 log.debug("wake gate release on close: %s", exc)
+            self._holding = False
         self._set(GateState.OPEN)
         await store.aclose()
 
@@ -223,39 +255,56 @@ class WakeGate:
         deps = self._deps
         store = deps.store
         assert store is not None
-        state = self._state
-        if state is GateState.OPEN:
-            if deps.rate() >= CLOSE_RATE:
+        if self._state is GateState.OPEN:
+            if self._holding:  # opened by on_listen_lost, or by the rate: let it go
+                await store.gate_release()
+                self._holding = False
+                return
+            if deps.rate() >= CLOSE_RATE or not deps.listening():
+                self._retry_s = RETRY_S
                 await deps.stop.sleep(CHECK_S)
                 return
-            taken, held = await store.gate_try()
-            if taken or held:
-                self._set(GateState.GUARDED if taken else GateState.COVERED)
-                # Every writer that skipped its NOTIFY has ended: claim once to see its rows.
-                deps.wake_all()
+            await self._try(store)
+            if self._state is GateState.OPEN:
+                # Writers in flight hold it in SHARE mode (a long one keeps it so): back off.
+                await deps.stop.sleep(self._retry_s)
+                self._retry_s = min(self._retry_s * 2, RETRY_MAX_S)
             else:
-                await deps.stop.sleep(RETRY_S)
+                self._retry_s = RETRY_S
             return
-        # GUARDED or COVERED: watch the rate; re-check the cover every poll_interval_s.
-        due = deps.clock() + deps.poll_interval_s
+        # GUARDED or COVERED: watch the rate; check the cover every CHECK_S (a holder gone
+        # without a release, a dropped gate connection: writers stop notifying).
+        state = self._state
         self._notice.clear()
-        while deps.clock() < due and self._state is state and not deps.stop.is_set():
-            if deps.rate() >= OPEN_RATE:
-                if state is GateState.GUARDED:
-                    await store.gate_release()
-                self._open()
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._notice.wait(), CHECK_S)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._notice.wait(), CHECK_S)
         if self._state is not state:
-            return  # a release notification opened it (on_notification)
-        if state is GateState.GUARDED:
+            return  # on_notification / on_listen_lost opened it
+        if deps.rate() >= OPEN_RATE:
+            if self._holding:
+                await store.gate_release()
+                self._holding = False
+            self._open()
+        elif state is GateState.GUARDED:
             await store.gate_ping()
-            return
+        else:
+            await self._try(store)
+
+    async def _try(self, store: GateStore) -> None:
+        """Try to take the gate (from ``OPEN`` or ``COVERED``) and set the state from the
+        answer; wakes the lanes for one claim whenever the state is, or stays, one where
+        they wait for notifications."""
+        releases = self._releases
         taken, held = await store.gate_try()
         if taken:
+            self._holding = True
             self._set(GateState.GUARDED)
-        elif not held:
+        elif held and self._releases == releases and self._deps.listening():
+            # Held by another relay, and no release was heard since before the attempt (a
+            # release handled meanwhile would otherwise be lost: a cover that is gone).
+            self._set(GateState.COVERED)
+        else:
             self._open()
             return
-        deps.wake_all()
+        # No writer that skipped its NOTIFY is in flight now: claim once to see their rows.
+        self._deps.wake_all()

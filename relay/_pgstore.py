@@ -672,14 +672,17 @@ WHERE shard = %(shard)s
 
 SYSTEM_ID: LiteralString = "SELECT system_identifier FROM pg_control_system()"
 
-#: The wake gate (docs/relay.md "Wake gate"): take it EXCLUSIVE without waiting, then say
-#: whether any session holds it EXCLUSIVE (the select list runs left to right).
+#: The wake gate (docs/relay.md "Wake gate"): take it EXCLUSIVE without waiting; if that
+#: failed, probe whether another session holds it EXCLUSIVE: a SHARE try fails only then
+#: (writers hold it in SHARE mode; advisory locks belong to this database, pg_locks would
+#: show every database's), and the probe's SHARE lock is let go at once.
 GATE_TRY: LiteralString = """
-SELECT pg_try_advisory_lock(%(k1)s, %(k2)s),
-       EXISTS (SELECT 1 FROM pg_locks
-               WHERE locktype = 'advisory' AND classid = %(o1)s::bigint::oid
-                 AND objid = %(o2)s::bigint::oid AND objsubid = 2
-                 AND mode = 'ExclusiveLock' AND granted)"""
+SELECT taken,
+       CASE WHEN taken THEN true
+            WHEN pg_try_advisory_lock_shared(%(k1)s, %(k2)s)
+                 THEN NOT pg_advisory_unlock_shared(%(k1)s, %(k2)s)
+            ELSE true END
+FROM (SELECT pg_try_advisory_lock(%(k1)s, %(k2)s) AS taken) AS attempt"""
 #: Release the gate; the notification (delivered at this statement's commit, after the
 #: unlock) tells covered relays that their cover is gone.
 GATE_RELEASE: LiteralString = (
@@ -1255,13 +1258,13 @@ class PgRelayStore:
 
     def _gate_params(self) -> dict[str, Any]:
         k1, k2 = wake_gate_key(self._channel)
-        # pg_locks shows the two int4 keys as oids (unsigned).
-        return {"k1": k1, "k2": k2, "o1": k1 & 0xFFFFFFFF, "o2": k2 & 0xFFFFFFFF}
+        return {"k1": k1, "k2": k2}
 
     async def gate_try(self) -> tuple[bool, bool]:
         """``(taken, held)``: ``pg_try_advisory_lock`` of the wake gate on this connection
         (a session lock: never taken twice by one store, see :class:`WakeGate`), and whether
-        any session holds it EXCLUSIVE after the attempt (``pg_locks``)."""
+        it is held EXCLUSIVE after the attempt (by this session, or another session of this
+        database: a SHARE probe fails)."""
         rows = await self._fetch(GATE_TRY, self._gate_params(), "gate")
         return bool(rows[0][0]), bool(rows[0][1])
 

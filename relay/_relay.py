@@ -175,9 +175,9 @@ class Relay:
                 backoff=backoff,
                 stop=self._stop,
                 clock=clock,
+                listening=lambda: self._wakeup.listening,
             )
         )
-        self._gate_store = gate_store
         self._idle = asyncio.Event()
         self._wakeup = WakeUp(
             WakeUpDeps(
@@ -188,6 +188,7 @@ class Relay:
                 idle=self._idle,
                 clock=clock,
                 on_notification=self._gate.on_notification,
+                on_lost=self._gate.on_listen_lost,
             )
         )
         # Adaptive lanes (run()): ``_active`` lanes run, shards split by ``shard % _active``.

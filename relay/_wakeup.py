@@ -58,7 +58,11 @@ class WakeUpDeps:
         Monotonic clock in seconds (how long LISTEN was lost, in the line when it is back).
     on_notification : Callable[[str | None], None]
         Called with each notification's payload before the lanes are woken
-        (:meth:`~ledgerbox.relay._gate.WakeGate.on_notification`).
+        (:meth:`~ledgerbox.relay._gate.WakeGate.on_notification`); ``None`` when LISTEN
+        became active.
+    on_lost : Callable[[], None]
+        Called when the LISTEN connection dropped
+        (:meth:`~ledgerbox.relay._gate.WakeGate.on_listen_lost`).
     """
 
     store: RelayStore
@@ -68,6 +72,7 @@ class WakeUpDeps:
     idle: asyncio.Event | None = None
     clock: Callable[[], float] = time.monotonic
     on_notification: Callable[[str | None], None] = lambda payload: None
+    on_lost: Callable[[], None] = lambda: None
 
 
 class WakeUp:
@@ -80,6 +85,7 @@ class WakeUp:
 
     def __init__(self, deps: WakeUpDeps) -> None:
         self._deps = deps
+        self.listening = False  # LISTEN is active on the connection
 
     async def _until_wanted(self) -> None:
         # Every lane was just woken: none waits for a notification until one goes idle.
@@ -108,10 +114,13 @@ class WakeUp:
                         log.warning("LISTEN connection back after %.1f s", deps.clock() - lost_at)
                         lost_at = None
                     attempt = 0
+                    self.listening = True
                     deps.on_notification(payload)
                     deps.wake_all()
                     await self._until_wanted()
             except StoreError as exc:
+                self.listening = False
+                deps.on_lost()
                 attempt += 1
                 m.RETRIES.labels(stage="listen").inc()
                 if lost_at is None:

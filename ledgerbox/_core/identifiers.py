@@ -170,18 +170,19 @@ def outbox_notify_channel(table: str, schema: str | None) -> str:
     return channel
 
 
-#: First half of the wake gate's advisory lock key: "ledg" (a constant, so that the key of
-#: one outbox table never collides with an application's one-argument advisory locks).
+#: First half of the wake gate's advisory lock key: "ledg" (a constant that makes a collision
+#: with an application's own two-key advisory locks unlikely; one-key locks never collide).
 WAKE_GATE_CLASS = 0x6C656467
 
 
 def wake_gate_key(channel: str) -> tuple[int, int]:
     """The two ``int4`` advisory lock keys of the outbox ``channel``'s wake gate.
 
-    ``(WAKE_GATE_CLASS, h)`` with ``h`` the first 4 bytes of BLAKE2b(channel) as a signed
-    ``int4``: stable across Python and PostgreSQL versions (``hashtext`` is not promised to
-    be). The write path's trigger and the relay compute the same pair (docs/relay.md, "Wake
-    gate").
+    ``(WAKE_GATE_CLASS, h)`` with ``h`` the BLAKE2b digest of the channel's UTF-8 bytes with
+    ``digest_size=4``, big-endian, as a signed ``int4``: stable across Python and
+    PostgreSQL versions (``hashtext`` is not promised to be). The trigger of revision 0004
+    holds the pair as literals and the relay computes it: it is a contract, never to change
+    (a test pins it; docs/relay.md, "Wake gate").
     """
     digest = hashlib.blake2b(channel.encode(), digest_size=4).digest()
     return WAKE_GATE_CLASS, int.from_bytes(digest, "big", signed=True)

@@ -19,7 +19,9 @@ __all__ = [
     "KNOWN_HEADERS",
     "SCHEMA_REVISION",
     "SCHEMA_REVISIONS",
+    "SCHEMA_REVISION_MIN",
     "SCHEMA_VERSION_TABLE",
+    "revision_served",
 ]
 
 #: Alembic version table of the stand-alone ledgerbox migrations (``ledgerbox migrate``).
@@ -57,3 +59,16 @@ KNOWN_HEADERS = frozenset(
 #: the relay daemon never imports Alembic.
 SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004")
 SCHEMA_REVISION = SCHEMA_REVISIONS[-1]
+#: The oldest revision the daemons of this version run against. Revision 0004 changed only the
+#: outbox trigger's function (the wake gate), which these relays work with or without (at
+#: 0003 every transaction notifies): so new relays and consumers can be deployed before
+#: ``ledgerbox migrate`` runs (docs/migrations.md, "Revision 4").
+SCHEMA_REVISION_MIN = "0003"
+
+
+def revision_served(revision: str) -> bool:
+    """True if the daemons of this version run against tables at ``revision`` (a known
+    revision, :data:`SCHEMA_REVISION_MIN` or later)."""
+    return revision in SCHEMA_REVISIONS and SCHEMA_REVISIONS.index(
+        revision
+    ) >= SCHEMA_REVISIONS.index(SCHEMA_REVISION_MIN)

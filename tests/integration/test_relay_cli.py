@@ -7,13 +7,14 @@ import subprocess
 import sys
 import time
 
+import psycopg
 import pytest
 from sqlalchemy import Engine, text
 
 from ledgerbox._core.names import SCHEMA_REVISIONS
 from tests import _relay_support as rs
 
-HEAD = SCHEMA_REVISIONS[-1]  # the revision this version needs
+HEAD = SCHEMA_REVISIONS[-1]  # the head revision
 
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -32,6 +33,20 @@ def test_check_exit_code_follows_health(database_url: str, kafka_bootstrap: str)
     ok = _cli("check", DATABASE_URL=database_url, KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert ok.stdout.strip() == f"relay ok: database ok (schema {HEAD}), kafka ok (1 broker)"
+    # New relays run against revision 0003 (deployed before `ledgerbox migrate`: the wake
+    # gate's trigger of 0004 is optional for them), not against 0002.
+    for at, code in (("0003", 0), ("0002", 2)):
+        with psycopg.connect(database_url.replace("+psycopg", ""), autocommit=True) as conn:
+            conn.execute("UPDATE ledgerbox_alembic_version SET version_num = %s", (at,))
+        try:
+            older = _cli(
+                "check", DATABASE_URL=database_url, KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap
+            )
+        finally:
+            with psycopg.connect(database_url.replace("+psycopg", ""), autocommit=True) as conn:
+                conn.execute("UPDATE ledgerbox_alembic_version SET version_num = %s", (HEAD,))
+        assert older.returncode == code, older.stdout + older.stderr
+    assert "needs 0003 or later: run `ledgerbox migrate`" in older.stdout
     bad = _cli("check", "--kafka-bootstrap-servers", "127.0.0.1:1", DATABASE_URL=database_url)
     assert bad.returncode == 2
     (line,) = bad.stdout.strip().splitlines()

@@ -6,11 +6,14 @@ on a real server in tests/integration/test_relay_store_contract.py and test_rela
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 from ledgerbox._core.backoff import Backoff
 from ledgerbox._core.faults import Fault
+from ledgerbox._core.identifiers import wake_gate_key
 from ledgerbox._core.stop import StopSignal
+from ledgerbox.outbox import OutboxTable
 from ledgerbox.relay._errors import StoreError
 from ledgerbox.relay._gate import (
     CLOSE_RATE,
@@ -149,11 +152,59 @@ async def test_a_covered_relay_polls_at_once_on_the_holders_release() -> None:
     await relay.aclose()
 
 
-async def test_a_covered_relay_rechecks_its_cover_every_poll_interval() -> None:
-    store = ScriptedGate((False, True), (False, False))
-    relay = await _started(store, GateState.COVERED, poll_interval_s=0.1)
-    # The holder died without a release: the next check finds the gate free of holders.
+async def test_a_covered_relay_finds_out_within_a_check_when_the_holder_died() -> None:
+    store = ScriptedGate((False, True), (False, True), (False, False))
+    relay = await _started(store, GateState.COVERED)  # polling every 30 s
+    # The holder died without a release: a check (every CHECK_S) finds no holder.
     await relay.until(lambda: relay.gate.state is GateState.OPEN)
+    await relay.aclose()
+
+
+async def test_a_release_heard_during_the_attempt_is_not_lost() -> None:
+    """OPEN -> try -> "held by another" while that other relay's release notification is
+    handled: becoming covered then would trust a cover that is gone."""
+    relay_box: list[Relay] = []
+
+    class ReleasedDuringTry(ScriptedGate):
+        states: list[GateState] = []
+
+        async def gate_try(self) -> tuple[bool, bool]:
+            self.states.append(relay_box[0].gate.state)
+            answer = await super().gate_try()
+            if len(self.calls) == 1:
+                relay_box[0].gate.on_notification(GATE_PAYLOAD)
+            return answer
+
+    store = ReleasedDuringTry((False, True), (True, True))
+    relay = Relay(store)
+    relay_box.append(relay)
+    relay.start()
+    await relay.until(lambda: relay.gate.state is GateState.GUARDED)
+    assert store.states[:2] == [GateState.OPEN, GateState.OPEN], "not covered by a gone cover"
+    await relay.aclose()
+
+
+async def test_losing_listen_opens_the_gate_and_a_guarded_relay_releases_it() -> None:
+    store = ScriptedGate((True, True))
+    relay = await _started(store, GateState.GUARDED)
+    listening = False
+    relay.gate._deps = dataclasses.replace(relay.gate._deps, listening=lambda: listening)
+    relay.gate.on_listen_lost()
+    assert _state(relay) is GateState.OPEN, "at once: the lanes poll"
+    await relay.until(lambda: "release" in store.calls)
+    tries = store.calls.count("try")
+    await asyncio.sleep(0.2)
+    assert store.calls.count("try") == tries, "not taken again before LISTEN is back"
+    listening = True
+    await relay.until(lambda: relay.gate.state is GateState.GUARDED)
+    await relay.aclose()
+
+
+async def test_listen_back_ends_a_cover_a_missed_release_may_have_ended() -> None:
+    store = ScriptedGate((False, True))
+    relay = await _started(store, GateState.COVERED)
+    relay.gate.on_notification(None)
+    assert _state(relay) is GateState.OPEN
     await relay.aclose()
 
 
@@ -174,3 +225,15 @@ async def test_closing_a_guarded_relay_releases_the_gate_with_its_notification()
     await relay.gate.aclose()
     assert store.calls[-2:] == ["release", "close"]
     assert relay.gate.state is GateState.OPEN
+
+
+def test_the_wake_gate_key_is_pinned() -> None:
+    """The trigger of revision 0004 holds the key as literals: a changed key would leave
+    writers and relays on different locks (writers never notify: every event waits for the
+    poll)."""
+    assert wake_gate_key("outbox_default_ledgerbox") == (
+        0x6C656467,
+        int.from_bytes(bytes.fromhex("d661fa94"), "big", signed=True),
+    )
+    table = OutboxTable("outbox")
+    assert "pg_try_advisory_xact_lock_shared(1818584167, -698221932)" in table.notify_ddl()[0]
