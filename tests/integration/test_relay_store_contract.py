@@ -9,9 +9,11 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 
+import psycopg
 import pytest
 from sqlalchemy import Engine, text
 
+from ledgerbox._core.identifiers import outbox_notify_channel, wake_gate_key
 from ledgerbox.outbox import EventEnvelope, shard_of
 from ledgerbox.relay._gate import GATE_PAYLOAD, GateStore
 from ledgerbox.relay._pgstore import PgRelayStore
@@ -477,3 +479,25 @@ async def test_writers_notify_only_while_a_relay_holds_the_wake_gate(
         await stream.aclose()
     finally:
         await db.aclose()
+
+
+async def test_the_gate_of_another_database_is_no_cover(
+    engine: Engine, database_url: str, empty_database_url: str
+) -> None:
+    """Advisory locks belong to one database, and every database's outbox of the default
+    name has the same gate key: a relay whose own writers hold the gate in SHARE mode must
+    not count a relay of another database on the same server as its cover (pg_locks shows
+    every database's locks: the first GATE_TRY read it)."""
+    here, there = _Postgres(engine, database_url), _Postgres(engine, empty_database_url)
+    try:
+        holder, other = await here.store("gate-here"), await there.store("gate-there")
+        assert await holder.gate_try() == (True, True)  # type: ignore[attr-defined]
+        key = wake_gate_key(outbox_notify_channel("outbox", None))
+        with psycopg.connect(empty_database_url.replace("+psycopg", "")) as writer:
+            writer.execute("SELECT pg_try_advisory_xact_lock_shared(%s, %s)", key)  # in flight
+            assert await other.gate_try() == (False, False)  # type: ignore[attr-defined]
+            writer.rollback()
+        assert await other.gate_try() == (True, True)  # type: ignore[attr-defined]
+    finally:
+        await here.aclose()
+        await there.aclose()
