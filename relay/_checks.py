@@ -190,8 +190,8 @@ def _schema_problems(config: RelayConfig, report: SchemaReport) -> list[Problem]
         else:
             line = (
                 f"the ledgerbox tables are at schema revision {report.revision!r}, which this "
-                f"relay does not know (it needs {SCHEMA_REVISION_MIN} or later): upgrade "
-                "ledgerbox"
+                f"relay does not know (it knows {SCHEMA_REVISION_MIN} to {SCHEMA_REVISIONS[-1]}): "
+                "upgrade ledgerbox"
             )
         problems.append(Problem(False, line))
     if report.missing_columns:

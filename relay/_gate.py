@@ -15,20 +15,23 @@ EXCLUSIVE while it waits for notifications (``GUARDED``):
   rolled back, so the relay's ``pg_try_advisory_lock`` succeeds only after every such
   writer ended; the relay then claims once (every lane is woken) and sees their rows. From
   then on, every writer's SHARE attempt fails and it notifies.
-* Only one relay can hold the lock. Another relay that finds it held by someone
-  (``pg_locks``) is ``COVERED``: at that moment no writer that skipped its NOTIFY was in
-  flight, it claims once, and from then on writers notify while the holder holds. The
-  holder releases with a notification (payload ``"gate"``) in the same statement, so a
-  covered relay hears that the cover is gone and goes back to polling (``OPEN``) before it
-  tries the gate again. A holder that dies without releasing leaves the covered relays to
-  their ``poll_interval_s`` (they re-check the gate at that pace).
+* Only one relay can hold the lock. Another relay that finds it held (a SHARE probe fails:
+  advisory locks belong to one database) is ``COVERED``: at that moment no writer that
+  skipped its NOTIFY was in flight, it claims once, and from then on writers notify while
+  the holder holds. A take notifies (payload ``"take"``: every relay's lanes claim once),
+  a release too (``"gate"``, in the same statement as the unlock), so a covered relay hears
+  that its cover is gone and polls (``OPEN``) before it tries the gate again. Every
+  ``CHECK_S`` a guarded relay pings its gate connection and a covered one probes the gate
+  again: a holder gone without a release (a crash, a closed connection) costs at most that.
+* A relay takes or trusts the gate only while its ``LISTEN`` is active.
 * While a relay's rate of events is high (``OPEN_RATE`` events/s) it lets the gate go:
   writers stop notifying and its idle lanes poll every ``OPEN_POLL_S`` (a lane in a stream
   of events claims again at once anyway; the claim pacer spaces the claims). Below
   ``CLOSE_RATE`` it takes the gate again.
 
-A store without the gate (the in-memory store, a revision-3 database where the trigger
-always notifies) leaves the gate ``OFF``: lanes wait for notifications, as before.
+A store without the gate (the in-memory store) leaves the gate ``OFF``: lanes wait for
+notifications, as before. Against a revision-3 database (the trigger always notifies) the
+gate runs as against revision 4: it is harmless there, and an open relay polls besides.
 
 Design rule (../shared/DESIGN.md section 3): NOTIFY stays a hint with a polling fallback;
 the gate only decides who waits for it (docs/relay.md, "Wake gate").
@@ -55,6 +58,7 @@ __all__ = [
     "GATE_PAYLOAD",
     "OPEN_POLL_S",
     "OPEN_RATE",
+    "TAKE_PAYLOAD",
     "GateState",
     "GateStore",
     "WakeGate",
@@ -78,6 +82,8 @@ RETRY_MAX_S = 0.25
 CHECK_S = 0.05
 #: Payload of the notification a relay sends when it releases the gate.
 GATE_PAYLOAD = "gate"
+#: Payload of the notification a relay sends when it takes the gate.
+TAKE_PAYLOAD = "take"
 
 log = logging.getLogger("ledgerbox.relay")
 
@@ -96,9 +102,10 @@ class GateStore(Protocol):
     """The gate's own connection (role ``"gate"``; session advisory lock)."""
 
     async def gate_try(self) -> tuple[bool, bool]:
-        """``(taken, held)``: took the gate EXCLUSIVE without waiting; and whether it is
-        held EXCLUSIVE after the attempt (by this session, or by another one of the same
-        database: a SHARE probe fails)."""
+        """``(taken, held)``: took the gate EXCLUSIVE without waiting (and then notified the
+        channel with payload :data:`TAKE_PAYLOAD`); and whether it is held EXCLUSIVE after
+        the attempt (by this session, or by another one of the same database: a SHARE probe
+        fails)."""
         ...
 
     async def gate_release(self) -> None:
@@ -240,11 +247,12 @@ class WakeGate:
         if self._holding:
             try:
                 await store.gate_release()
-            except StoreError as exc:
+            except Exception as exc:
                 log.debug("wake gate release on close: %s", exc)
             self._holding = False
         self._set(GateState.OPEN)
-        await store.aclose()
+        with contextlib.suppress(Exception):
+            await store.aclose()
 
     def _open(self) -> None:
         if self._state is not GateState.OPEN:
@@ -280,11 +288,8 @@ class WakeGate:
             await asyncio.wait_for(self._notice.wait(), CHECK_S)
         if self._state is not state:
             return  # on_notification / on_listen_lost opened it
-        if deps.rate() >= OPEN_RATE:
-            if self._holding:
-                await store.gate_release()
-                self._holding = False
-            self._open()
+        if deps.rate() >= OPEN_RATE or not deps.listening():
+            self._open()  # the lanes poll from now on (the release is the next step's)
         elif state is GateState.GUARDED:
             await store.gate_ping()
         else:
@@ -294,15 +299,23 @@ class WakeGate:
         """Try to take the gate (from ``OPEN`` or ``COVERED``) and set the state from the
         answer; wakes the lanes for one claim whenever the state is, or stays, one where
         they wait for notifications."""
-        releases = self._releases
+        releases, was = self._releases, self._state
         taken, held = await store.gate_try()
         if taken:
+            # The statement also notified every relay (payload "take"): a covered relay's
+            # lanes claim once after each take, so a probe that finds the cover unchanged
+            # needs no claim of its own.
             self._holding = True
+            if not self._deps.listening():
+                self._open()  # LISTEN dropped meanwhile: released by the next step
+                return
             self._set(GateState.GUARDED)
         elif held and self._releases == releases and self._deps.listening():
             # Held by another relay, and no release was heard since before the attempt (a
             # release handled meanwhile would otherwise be lost: a cover that is gone).
             self._set(GateState.COVERED)
+            if was is GateState.COVERED:
+                return  # the same cover, or a new holder's "take" woke the lanes already
         else:
             self._open()
             return

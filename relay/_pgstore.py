@@ -40,7 +40,7 @@ from ledgerbox._core.identifiers import wake_gate_key
 from ledgerbox._core.names import SCHEMA_VERSION_TABLE
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import StoreError
-from ledgerbox.relay._gate import GATE_PAYLOAD
+from ledgerbox.relay._gate import GATE_PAYLOAD, TAKE_PAYLOAD
 from ledgerbox.relay._store import (
     Claim,
     ClaimedEvent,
@@ -681,13 +681,13 @@ SELECT taken,
        CASE WHEN taken THEN true
             WHEN pg_try_advisory_lock_shared(%(k1)s, %(k2)s)
                  THEN NOT pg_advisory_unlock_shared(%(k1)s, %(k2)s)
-            ELSE true END
+            ELSE true END,
+       CASE WHEN taken THEN pg_notify(%(channel)s, %(take)s)::text END
 FROM (SELECT pg_try_advisory_lock(%(k1)s, %(k2)s) AS taken) AS attempt"""
-#: Release the gate; the notification (delivered at this statement's commit, after the
-#: unlock) tells covered relays that their cover is gone.
-GATE_RELEASE: LiteralString = (
-    "SELECT pg_advisory_unlock(%(k1)s, %(k2)s), pg_notify(%(channel)s, %(payload)s)"
-)
+#: Release the gate (every advisory lock of this dedicated connection: a count above one
+#: can never stay behind); the notification (delivered at this statement's commit, after
+#: the unlock) tells covered relays that their cover is gone.
+GATE_RELEASE: LiteralString = "SELECT pg_advisory_unlock_all(), pg_notify(%(channel)s, %(payload)s)"
 GATE_PING: LiteralString = "SELECT 1"
 
 
@@ -1265,12 +1265,13 @@ class PgRelayStore:
         (a session lock: never taken twice by one store, see :class:`WakeGate`), and whether
         it is held EXCLUSIVE after the attempt (by this session, or another session of this
         database: a SHARE probe fails)."""
-        rows = await self._fetch(GATE_TRY, self._gate_params(), "gate")
+        params = {**self._gate_params(), "channel": self._channel, "take": TAKE_PAYLOAD}
+        rows = await self._fetch(GATE_TRY, params, "gate")
         return bool(rows[0][0]), bool(rows[0][1])
 
     async def gate_release(self) -> None:
         """Release the wake gate and notify the channel with payload ``"gate"``."""
-        params = {**self._gate_params(), "channel": self._channel, "payload": GATE_PAYLOAD}
+        params = {"channel": self._channel, "payload": GATE_PAYLOAD}
         await self._fetch(GATE_RELEASE, params, "gate")
 
     async def gate_ping(self) -> None:

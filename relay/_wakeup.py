@@ -126,8 +126,8 @@ class WakeUp:
                 if lost_at is None:
                     lost_at = deps.clock()
                     log.warning(
-                        "LISTEN connection lost: %s (the lanes poll every poll_interval_s until "
-                        "it is back; retries logged at DEBUG)",
+                        "LISTEN connection lost: %s (the lanes poll until it is back; retries "
+                        "logged at DEBUG)",
                         exc,
                         extra={"attempt": attempt},
                     )

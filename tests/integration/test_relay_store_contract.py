@@ -15,7 +15,7 @@ from sqlalchemy import Engine, text
 
 from ledgerbox._core.identifiers import outbox_notify_channel, wake_gate_key
 from ledgerbox.outbox import EventEnvelope, shard_of
-from ledgerbox.relay._gate import GATE_PAYLOAD, GateStore
+from ledgerbox.relay._gate import GATE_PAYLOAD, TAKE_PAYLOAD, GateStore
 from ledgerbox.relay._pgstore import PgRelayStore
 from ledgerbox.relay._store import (
     Cursor,
@@ -464,6 +464,7 @@ async def test_writers_notify_only_while_a_relay_holds_the_wake_gate(
             tx.commit()
         assert await first.gate_try() == (True, True)
         assert await second.gate_try() == (False, True), "held by another relay: covered"
+        assert await stream.next(10) == TAKE_PAYLOAD, "a take tells every relay to claim once"
         with pytest.raises(TimeoutError):
             await stream.next(0.3)  # (the in-flight writer skipped its NOTIFY)
         # Held: every writer notifies, once per transaction.

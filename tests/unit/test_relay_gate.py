@@ -237,3 +237,38 @@ def test_the_wake_gate_key_is_pinned() -> None:
     )
     table = OutboxTable("outbox")
     assert "pg_try_advisory_xact_lock_shared(1818584167, -698221932)" in table.notify_ddl()[0]
+
+
+async def test_a_covered_relay_probes_without_waking_its_lanes_each_time() -> None:
+    """Each probe costs one round trip; the lanes claim when the cover starts and on every
+    take (its notification), not 20 times a second."""
+    store = ScriptedGate((False, True))
+    relay = await _started(store, GateState.COVERED)
+    await relay.until(lambda: store.calls.count("try") >= 4)
+    assert relay.wakes == 1
+    await relay.aclose()
+
+
+async def test_listen_lost_while_taking_the_gate_releases_it_instead_of_guarding() -> None:
+    relay_box: list[Relay] = []
+    listening = True
+
+    class ListenLostDuringTry(ScriptedGate):
+        async def gate_try(self) -> tuple[bool, bool]:
+            nonlocal listening
+            answer = await super().gate_try()
+            if len(self.calls) == 1:
+                listening = False
+                relay_box[0].gate.on_listen_lost()
+            return answer
+
+    store = ListenLostDuringTry((True, True))
+    relay = Relay(store)
+    relay_box.append(relay)
+    relay.gate._deps = dataclasses.replace(relay.gate._deps, listening=lambda: listening)
+    relay.start()
+    await relay.until(lambda: bool(store.calls))
+    await asyncio.sleep(0.01)
+    assert _state(relay) is GateState.OPEN, "never guarded without LISTEN"
+    await relay.until(lambda: "release" in store.calls)
+    await relay.aclose()
