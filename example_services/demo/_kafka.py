@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import time
@@ -18,6 +19,8 @@ __all__ = ["consumer_lag", "create_topics", "delete_topics", "end_offsets", "res
 MAX_READ_BACK = 20_000
 #: Longest read-back of a duplicate-deliveries fault, in seconds.
 READ_BACK_S = 15.0
+#: Longest wait of the duplicates fault for the topic's first published records, in seconds.
+WAIT_FOR_RECORDS_S = 30.0
 
 
 async def create_topics(
@@ -105,8 +108,18 @@ async def resend_records(bootstrap: str, topic: str, count: int, rng: random.Ran
     value, headers, timestamp) to their original partition: to a consumer this is exactly
     a redelivery. Returns how many were re-sent.
     """
+    if count <= 0:
+        return 0
+    # Only records that exist can be delivered twice: on a fast run this fault can come
+    # before the relay (still starting, or restarted by an earlier fault) published any, and
+    # it re-sent nothing (the fault silently did not happen; seen once the write path stopped
+    # notifying while no relay waits, and the orders went in faster). Wait for some, bounded.
+    waited_until = time.monotonic() + WAIT_FOR_RECORDS_S
     ends = await end_offsets(bootstrap, [topic])
-    if not ends or count <= 0:
+    while ends and not any(ends.values()) and time.monotonic() < waited_until:
+        await asyncio.sleep(0.25)
+        ends = await end_offsets(bootstrap, [topic])
+    if not ends:
         return 0
     reader = AIOKafkaConsumer(
         bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
