@@ -18,6 +18,19 @@ A broker that does not answer when the run starts is waited for (health ``down``
 one log line per change, backoff at most :data:`START_RETRY_MAX_S` apart); refused
 credentials raise :class:`inbox.StartupError`.
 
+A client that stops fetching is replaced: aiokafka (0.14) runs its fetches in one background
+task, and when that task dies (under uvloop a write to a connection the broker just closed
+raises ``RuntimeError``, which aiokafka does not catch: aiokafka#1038) ``getmany`` returns
+nothing forever while the heartbeats keep the partitions assigned to this member. The fetch
+loop checks the task after every empty ``getmany``. A fetch task that is alive but stuck
+(a request that never ends) is caught by its effect: a partition this consumer waits on (no
+record queued or in process, not paused) that got no fetch response (the broker answers a
+fetch at least every ``fetch_max_wait_ms``, records or not) for :data:`FETCH_STALL_S`. When
+either happens, the in-flight records finish,
+their offsets commit (at most ``stop_timeout_s``), the client stops and a new one joins the
+group (health ``down`` "kafka" meanwhile, one log line). Records fetched but not processed
+come again from the last commit; the inbox recognises any whose effect had committed.
+
 Lag: about once per :data:`LAG_REFRESH_S` the fetch loop sets
 ``ledgerbox_inbox_lag_records{group,topic,partition}`` of each assigned partition to the
 records not applied yet: end offset (last stable offset under ``read_committed``, else the
@@ -46,7 +59,13 @@ from ledgerbox.inbox._errors import StartupError
 from ledgerbox.inbox._policy import Outcome
 from ledgerbox.inbox._record import Record
 
-__all__ = ["START_RETRY_MAX_S", "BatchProcessor", "KafkaRunner"]
+__all__ = [
+    "START_RETRY_MAX_S",
+    "BatchProcessor",
+    "KafkaClientFailed",
+    "KafkaRunner",
+    "client_failure",
+]
 
 _log = logging.getLogger("ledgerbox.inbox")
 
@@ -58,8 +77,46 @@ START_RETRY_MAX_S = 5.0
 #: client then closes its tasks and connections itself.
 CLIENT_STOP_MIN_S = 1.0
 
+#: Seconds an assigned partition the consumer waits on may go without a fetch response
+#: before the client is replaced (module docstring): longer than aiokafka's
+#: ``request_timeout_ms`` (40 s), after which the client itself gives up on a request.
+FETCH_STALL_S = 45.0
+
 #: How often the lag gauges are refreshed while the consumer fetches, in seconds.
 LAG_REFRESH_S = 1.0
+
+
+class KafkaClientFailed(Exception):
+    """The aiokafka client stopped working although it was not stopped (its fetch task
+    ended): :meth:`KafkaRunner.run` replaces it. ``cause`` is the task's error, as one
+    line."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+def client_failure(kafka: AIOKafkaConsumer) -> str | None:
+    """Why ``kafka`` no longer fetches, or None while it does.
+
+    aiokafka 0.14 keeps the fetch routine's task as ``Fetcher.error_future`` but nothing
+    reads it: when the task dies, ``getmany`` waits out every timeout and returns ``{}``.
+    A client whose ``_closed`` is set is being stopped and is not a failure. Reads private
+    attributes; when they are missing (another aiokafka) it returns None, the former
+    behaviour.
+    """
+    if getattr(kafka, "_closed", False):
+        return None
+    task = getattr(getattr(kafka, "_fetcher", None), "error_future", None)
+    if not isinstance(task, asyncio.Future) or not task.done():
+        return None
+    if task.cancelled():
+        return "its fetch task was cancelled"
+    exc = task.exception()
+    if exc is None:
+        return "its fetch task ended"
+    root = exc.__cause__ or exc
+    return f"its fetch task died: {type(root).__name__}: {root}".splitlines()[0]
 
 
 class BatchProcessor(Protocol):
@@ -98,45 +155,71 @@ class KafkaRunner:
         self.kafka: AIOKafkaConsumer | None = None
         self.workers: dict[TopicPartition, _PartitionWorker] = {}
         self.paused: set[TopicPartition] = set()
+        # How long an offset commit may wait for Kafka, in seconds: unbounded while
+        # running (aiokafka waits for the coordinator), stop_timeout_s for a failed client.
+        self._commit_bound_s = math.inf
 
     def stop(self) -> None:
         """Finish: stop fetching, let in-flight records complete, commit, leave the group."""
         self.stopping.set()
 
     async def run(self) -> None:
-        """Consume until :meth:`stop`.
+        """Consume until :meth:`stop`. A client that stopped fetching is replaced by a new
+        one (module docstring); the run goes on.
 
         Raises
         ------
         StartupError
             If Kafka refused the credentials.
         """
+        while True:
+            kafka = await self._started()
+            if kafka is None:
+                return  # stopped while waiting for the broker
+            failure = await self._serve(kafka)
+            if failure is None or self.stopping.is_set():
+                return
+
+    async def _serve(self, kafka: AIOKafkaConsumer) -> str | None:
+        """Consume with ``kafka`` until :meth:`stop` (None) or until the client fails (its
+        cause, one line; the client is stopped and the partitions' work committed)."""
         config = self.config
-        kafka = await self._started()
-        if kafka is None:
-            return  # stopped while waiting for the broker
         self.kafka = kafka
+        self._commit_bound_s = math.inf
         if config.assignment:
             self.start_workers(kafka.assignment())
         background = [
             asyncio.create_task(self._commit_loop()),
             asyncio.create_task(self._probe_loop()),
         ]
+        failure: str | None = None
+        grace = self.kafka_grace
         try:
             await self._fetch_loop(kafka)
+        except KafkaClientFailed as exc:
+            failure = exc.cause
+            self.deps.health.fault(
+                "kafka", f"Kafka client failed ({failure}): a new client joins the group"
+            )
+            # What waits on the old client (commits, its stop) is bounded as in a stop.
+            self._commit_bound_s = config.stop_timeout_s
+            grace = StopSignal(config.stop_timeout_s)
+            grace.set()
         finally:
             await asyncio.gather(
                 *(w.aclose() for w in self.workers.values()), return_exceptions=True
             )
-            self.kafka_grace.set()
+            if failure is None:
+                self.kafka_grace.set()
             await self.close_workers(list(self.workers))
             for task in background:
                 task.cancel()
             for task in background:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await _stop_client(kafka, self.kafka_grace)
+            await _stop_client(kafka, grace)
             self.kafka = None
+        return failure
 
     def _client(self) -> AIOKafkaConsumer:
         config = self.config
@@ -185,9 +268,13 @@ class KafkaRunner:
         next_lag = 0.0
         while not self.stopping.is_set():
             batches = await kafka.getmany(timeout_ms=100, max_records=500)
+            if not batches and (failure := client_failure(kafka)) is not None:
+                raise KafkaClientFailed(failure)
             if time.monotonic() >= next_lag:
                 next_lag = time.monotonic() + LAG_REFRESH_S
                 await self.refresh_lag(kafka)
+                if (stall := self.fetch_stall(kafka)) is not None:
+                    raise KafkaClientFailed(stall)
             for tp, records in batches.items():
                 worker = self.workers.get(tp)
                 if worker is None or worker.closing:
@@ -222,6 +309,25 @@ class KafkaRunner:
                 continue  # being revoked or not positioned yet
             waiting = len(worker.queue) + worker.in_process
             metrics.set_lag(tp.topic, tp.partition, max(0, end - position) + waiting)
+
+    def fetch_stall(self, kafka: AIOKafkaConsumer) -> str | None:
+        """A partition this consumer waits on (nothing queued or in process, not paused)
+        that got no fetch response for :data:`FETCH_STALL_S`, as one line; else None."""
+        now = time.time()
+        for tp, worker in list(self.workers.items()):
+            if worker.closing or worker.queue or worker.in_process or tp in self.paused:
+                continue
+            try:
+                polled_ms = kafka.last_poll_timestamp(tp)
+            except (AssertionError, KeyError, AttributeError):
+                continue  # being revoked
+            since = max(worker.idle_since, (polled_ms or 0) / 1000)
+            if now - since > FETCH_STALL_S:
+                return (
+                    f"no fetch response for {tp.topic}[{tp.partition}] in {now - since:.0f} s"
+                    " while waiting for its records"
+                )
+        return None
 
     def start_workers(self, partitions: Sequence[TopicPartition] | set[TopicPartition]) -> None:
         """Start a worker for each partition that has none."""
@@ -258,8 +364,9 @@ class KafkaRunner:
                 return
             try:
                 # Unbounded while running (aiokafka waits for the coordinator); once
-                # stopping, at most what is left of stop_timeout_s.
-                await self.kafka_grace.bounded(kafka.commit(offsets), math.inf)
+                # stopping, at most what is left of stop_timeout_s; stop_timeout_s when
+                # the client failed.
+                await self.kafka_grace.bounded(kafka.commit(offsets), self._commit_bound_s)
             except KafkaError as exc:
                 # Rebalance in progress or broker away: the records stay uncommitted and may
                 # be redelivered, which the inbox absorbs.
@@ -309,7 +416,10 @@ async def _stop_client(kafka: AIOKafkaConsumer, grace: StopSignal) -> None:
     try:
         await asyncio.wait_for(kafka.stop(), max(grace.left_s(), CLIENT_STOP_MIN_S))
     except KafkaError:
-        pass
+        # A fetch task that died re-raises its error from stop() before the connections
+        # close (KafkaClientFailed): close them here.
+        with contextlib.suppress(Exception):
+            await kafka._client.close()
     except TimeoutError:
         _log.warning("Kafka client not stopped within stop_timeout_s: connections closed")
         with contextlib.suppress(Exception):
@@ -332,6 +442,9 @@ class _PartitionWorker:
         self.position: int | None = None  # offset to commit: last finished + 1
         self.committed: int | None = None
         self.in_process = 0  # records taken from the queue whose pipeline has not finished
+        # time.time() when the queue was last found empty with nothing in process: from
+        # then on the worker waits on Kafka (KafkaRunner.fetch_stall).
+        self.idle_since = time.time()
         self._wake = asyncio.Event()
         self.task = asyncio.create_task(self._run(), name=f"inbox-{tp.topic}-{tp.partition}")
 
@@ -362,6 +475,7 @@ class _PartitionWorker:
                 outcomes = await runner.process_batch(records, abandon=lambda: self.closing)
             finally:
                 self.in_process = 0
+                self.idle_since = time.time()
             for record, outcome in zip(records, outcomes, strict=False):
                 if outcome is Outcome.ABANDONED:
                     return

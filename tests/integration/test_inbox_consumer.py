@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
+from ledgerbox.inbox import _runner as runner_module
 from ledgerbox.inbox._handlers import ConsumerHooks
 from ledgerbox.inbox._metrics import DUPLICATES, PROCESSED
 from ledgerbox.inbox.testing import record_for
@@ -576,3 +578,95 @@ async def test_redis_dedup_store_claims_once_refuses_done_events_and_expires(
     assert await store.is_done("g", event) and not await store.is_done("other", event)
     assert not await store.claim("g", event, "w4", ttl_ms=60_000)  # done: refused at once
     assert await store.claim("other", event, "w4", ttl_ms=60_000)  # groups stay apart
+
+
+async def test_a_client_whose_fetch_task_died_is_replaced_and_no_record_is_left(
+    database_url: str,
+    engine: Engine,
+    kafka_bootstrap: str,
+    new_topic: Any,
+    running: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """aiokafka#1038 (seen in the chaos soak): under uvloop a fetch written to a connection
+    the broker had just closed raised RuntimeError in aiokafka's fetch task, which died;
+    ``getmany`` then returned nothing forever while the heartbeats kept the partitions on
+    this member, and the consumer applied no more events. The same RuntimeError is put in
+    the fetch task here (the loop under test is asyncio's)."""
+    topic = await new_topic.acreate("inbox-fetch-dies", partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    await produce(kafka_bootstrap, topic, [order_event(topic, f"a{i}", "1.00") for i in range(5)])
+    consumer = make_consumer(database_url, kafka_bootstrap, topic, group)
+    await running(consumer)
+    await poll(lambda: _count_async(engine, group, 5), "the first 5 events applied")
+    runner = consumer._runner
+    assert runner is not None and runner.kafka is not None
+    first_client = runner.kafka
+
+    async def closed_transport(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError(
+            "unable to perform operation on <TCPTransport closed=True reading=False"
+            " 0x5602331a7210>; the handler is closed"
+        )
+
+    first_client._fetcher._proc_fetch_request = closed_transport
+    caplog.set_level(logging.WARNING, logger="ledgerbox.inbox")
+    await produce(kafka_bootstrap, topic, [order_event(topic, f"b{i}", "1.00") for i in range(5)])
+
+    async def all_committed() -> bool:
+        return await committed(kafka_bootstrap, group, topic) == 10
+
+    await poll(all_committed, "the 5 events sent after the fetch task died committed")
+    assert sorted(r[0] for r in payment_rows(engine, group)) == sorted(
+        [f"a{i}" for i in range(5)] + [f"b{i}" for i in range(5)]
+    )
+    assert runner.kafka is not first_client
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(
+        "down: Kafka client failed (its fetch task died: RuntimeError: unable to perform" in x
+        for x in lines
+    ), lines
+    assert any(f"consumer group {group} up again" in x for x in lines), lines
+
+
+async def test_a_client_whose_fetch_hangs_is_replaced_and_no_record_is_left(
+    database_url: str,
+    engine: Engine,
+    kafka_bootstrap: str,
+    new_topic: Any,
+    running: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The other way a client stops fetching: its fetch task lives but a request never
+    ends (the soak's order consumer that got partitions after a broker stall and fetched
+    nothing for 90 s). No fetch response for FETCH_STALL_S (3 s here) replaces the
+    client."""
+    monkeypatch.setattr(runner_module, "FETCH_STALL_S", 3.0)
+    topic = await new_topic.acreate("inbox-fetch-hangs", partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    await produce(kafka_bootstrap, topic, [order_event(topic, f"a{i}", "1.00") for i in range(5)])
+    consumer = make_consumer(database_url, kafka_bootstrap, topic, group)
+    await running(consumer)
+    await poll(lambda: _count_async(engine, group, 5), "the first 5 events applied")
+    runner = consumer._runner
+    assert runner is not None and runner.kafka is not None
+    first_client = runner.kafka
+
+    async def never_answered(*_args: Any, **_kwargs: Any) -> Any:
+        await asyncio.Event().wait()
+
+    first_client._fetcher._proc_fetch_request = never_answered
+    caplog.set_level(logging.WARNING, logger="ledgerbox.inbox")
+    await produce(kafka_bootstrap, topic, [order_event(topic, f"b{i}", "1.00") for i in range(5)])
+
+    async def all_committed() -> bool:
+        return await committed(kafka_bootstrap, group, topic) == 10
+
+    await poll(all_committed, "the 5 events sent while the fetch hung committed")
+    assert len(payment_rows(engine, group)) == 10
+    assert runner.kafka is not first_client
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(
+        f"down: Kafka client failed (no fetch response for {topic}[0] in" in x for x in lines
+    ), lines
