@@ -123,6 +123,11 @@ class OutboxTable:
         return f"{self.schema}.{self.name}" if self.schema else self.name
 
     @property
+    def notify_function(self) -> str:
+        """The trigger function's name: ``schema.name_notify`` or ``name_notify``."""
+        return f"{self.qualified_name}_notify"
+
+    @property
     def notify_channel(self) -> str:
         """The LISTEN/NOTIFY channel the write path signals at commit (a quoted identifier)."""
         return f"{self.name}_{self.schema or 'default'}_ledgerbox"
@@ -155,7 +160,7 @@ class OutboxTable:
         while the relays are busy (they poll) writers skip it. Revision 0001 created the
         function without the gate (``gated=False``: every transaction notifies).
         """
-        fn = f"{self.schema + '.' if self.schema else ''}{self.name}_notify"
+        fn = self.notify_function
         guard = f"ledgerbox.notified_{self.name}"
         notify = f"PERFORM pg_notify('{self.notify_channel}', '');"
         if gated:
@@ -176,7 +181,7 @@ $$"""
     def notify_ddl(self, *, gated: bool = True) -> list[str]:
         """SQL creating the trigger function (:meth:`notify_function_ddl`) and the
         statement-level trigger that calls it after every ``INSERT``."""
-        fn = f"{self.schema + '.' if self.schema else ''}{self.name}_notify"
+        fn = self.notify_function
         return [
             self.notify_function_ddl(gated=gated),
             f"""CREATE TRIGGER {self.name}_notify AFTER INSERT ON {self.qualified_name}
@@ -185,7 +190,7 @@ FOR EACH STATEMENT EXECUTE FUNCTION {fn}()""",
 
     def drop_notify_ddl(self) -> list[str]:
         """SQL dropping what :meth:`notify_ddl` created."""
-        fn = f"{self.schema + '.' if self.schema else ''}{self.name}_notify"
+        fn = self.notify_function
         return [
             f"DROP TRIGGER IF EXISTS {self.name}_notify ON {self.qualified_name}",
             f"DROP FUNCTION IF EXISTS {fn}()",

@@ -731,6 +731,7 @@ class PgRelayStore:
         }
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._channel = f"{config.outbox_table}_{schema or 'default'}_ledgerbox"
+        self._gate_key = wake_gate_key(self._channel)  # computed once: used every 50 ms
         self._epoch = 0
         self._sysid = 0
         self._rendered: dict[str, bytes] = {}
@@ -1257,8 +1258,7 @@ class PgRelayStore:
     # -- wake gate (role "gate", docs/relay.md "Wake gate") --------------------------------------
 
     def _gate_params(self) -> dict[str, Any]:
-        k1, k2 = wake_gate_key(self._channel)
-        return {"k1": k1, "k2": k2}
+        return {"k1": self._gate_key[0], "k2": self._gate_key[1]}
 
     async def gate_try(self) -> tuple[bool, bool]:
         """``(taken, held)``: ``pg_try_advisory_lock`` of the wake gate on this connection
