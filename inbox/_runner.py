@@ -18,18 +18,24 @@ A broker that does not answer when the run starts is waited for (health ``down``
 one log line per change, backoff at most :data:`START_RETRY_MAX_S` apart); refused
 credentials raise :class:`inbox.StartupError`.
 
-A client that stops fetching is replaced: aiokafka (0.14) runs its fetches in one background
-task, and when that task dies (under uvloop a write to a connection the broker just closed
-raises ``RuntimeError``, which aiokafka does not catch: aiokafka#1038) ``getmany`` returns
-nothing forever while the heartbeats keep the partitions assigned to this member. The fetch
-loop checks the task after every empty ``getmany``. A fetch task that is alive but stuck
-(a request that never ends) is caught by its effect: a partition this consumer waits on (no
-record queued or in process, not paused) that got no fetch response (the broker answers a
-fetch at least every ``fetch_max_wait_ms``, records or not) for :data:`FETCH_STALL_S`. When
-either happens, the in-flight records finish,
-their offsets commit (at most ``stop_timeout_s``), the client stops and a new one joins the
-group (health ``down`` "kafka" meanwhile, one log line). Records fetched but not processed
-come again from the last commit; the inbox recognises any whose effect had committed.
+A client that stops fetching is replaced (docs/inbox.md, "A Kafka client that stops fetching
+is replaced"): aiokafka (0.14) runs its fetches in one background task, and when that task
+dies (under uvloop a write to a connection the broker just closed raises ``RuntimeError``,
+which aiokafka's connection does not turn into a connection error: aiokafka#1038)
+``getmany`` returns nothing forever while the heartbeats keep the partitions assigned to
+this member. The fetch loop checks the task after every empty ``getmany``. A fetch task
+that is alive but stuck is caught by its effect: a partition this consumer waits on (no
+record queued or in process, not paused) that got no fetch response for
+:data:`FETCH_STALL_S` (a broker answers a fetch at least every ``fetch_max_wait_ms``,
+records or not); that bound doubles after each such replacement, up to
+:data:`FETCH_STALL_MAX_S`, while some partition stays without answers (an offline partition
+is not helped by new clients), and is back to :data:`FETCH_STALL_S` once every partition
+waited on is answered. When either happens, the records in process finish (a record in
+retry is given up, as on a revoke), then the offset commits and the old client's stop get
+``stop_timeout_s`` in all, its listener creates no more workers, and a new client joins the
+group (health ``down`` "kafka" until it has started). Replacements in quick succession back
+off (at most :data:`START_RETRY_MAX_S` apart). Records fetched but not processed come again
+from the last commit; the inbox recognises any whose effect had committed.
 
 Lag: about once per :data:`LAG_REFRESH_S` the fetch loop sets
 ``ledgerbox_inbox_lag_records{group,topic,partition}`` of each assigned partition to the
@@ -52,7 +58,7 @@ from typing import Any, Protocol
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
-from ledgerbox._core.stop import StopSignal
+from ledgerbox._core.stop import StopSignal, cancel_unawaited
 from ledgerbox.inbox._checks import kafka_start_verdict
 from ledgerbox.inbox._deps import PipelineDeps
 from ledgerbox.inbox._errors import StartupError
@@ -81,6 +87,13 @@ CLIENT_STOP_MIN_S = 1.0
 #: before the client is replaced (module docstring): longer than aiokafka's
 #: ``request_timeout_ms`` (40 s), after which the client itself gives up on a request.
 FETCH_STALL_S = 45.0
+
+#: The longest the stall bound grows to while replacements do not bring answers, seconds.
+FETCH_STALL_MAX_S = 600.0
+
+#: A replacement within this many seconds of the client's start counts as "in quick
+#: succession" (the next one backs off further).
+REPLACE_QUIET_S = 60.0
 
 #: How often the lag gauges are refreshed while the consumer fetches, in seconds.
 LAG_REFRESH_S = 1.0
@@ -155,9 +168,14 @@ class KafkaRunner:
         self.kafka: AIOKafkaConsumer | None = None
         self.workers: dict[TopicPartition, _PartitionWorker] = {}
         self.paused: set[TopicPartition] = set()
-        # How long an offset commit may wait for Kafka, in seconds: unbounded while
-        # running (aiokafka waits for the coordinator), stop_timeout_s for a failed client.
-        self._commit_bound_s = math.inf
+        # Set when the current client is being replaced, after its records in process
+        # finished: its offset commits and its stop then get stop_timeout_s in all.
+        self._retire = StopSignal(self.config.stop_timeout_s)
+        self._listener: _Listener | None = None
+        # Fetch watchdog: (last_poll_timestamp, monotonic time it was first seen) per
+        # partition, and the current bound (FETCH_STALL_S, doubled per stall replacement).
+        self._polled: dict[TopicPartition, tuple[int, float]] = {}
+        self._stall_bound_s = FETCH_STALL_S
 
     def stop(self) -> None:
         """Finish: stop fetching, let in-flight records complete, commit, leave the group."""
@@ -172,20 +190,29 @@ class KafkaRunner:
         StartupError
             If Kafka refused the credentials.
         """
+        quick = 0  # replacements in quick succession
         while True:
             kafka = await self._started()
             if kafka is None:
                 return  # stopped while waiting for the broker
+            started = time.monotonic()
             failure = await self._serve(kafka)
             if failure is None or self.stopping.is_set():
                 return
+            quick = quick + 1 if time.monotonic() - started < REPLACE_QUIET_S else 0
+            if quick:
+                delay_s = min(self.config.backoff.ceiling_s(quick), START_RETRY_MAX_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), delay_s)
 
     async def _serve(self, kafka: AIOKafkaConsumer) -> str | None:
         """Consume with ``kafka`` until :meth:`stop` (None) or until the client fails (its
         cause, one line; the client is stopped and the partitions' work committed)."""
         config = self.config
         self.kafka = kafka
-        self._commit_bound_s = math.inf
+        retire = self._retire = StopSignal(config.stop_timeout_s)
+        listener = self._listener
+        self._polled = {}
         if config.assignment:
             self.start_workers(kafka.assignment())
         background = [
@@ -193,7 +220,6 @@ class KafkaRunner:
             asyncio.create_task(self._probe_loop()),
         ]
         failure: str | None = None
-        grace = self.kafka_grace
         try:
             await self._fetch_loop(kafka)
         except KafkaClientFailed as exc:
@@ -201,16 +227,16 @@ class KafkaRunner:
             self.deps.health.fault(
                 "kafka", f"Kafka client failed ({failure}): a new client joins the group"
             )
-            # What waits on the old client (commits, its stop) is bounded as in a stop.
-            self._commit_bound_s = config.stop_timeout_s
-            grace = StopSignal(config.stop_timeout_s)
-            grace.set()
         finally:
+            if listener is not None:
+                listener.retired = True  # a rebalance finishing during its stop adds nothing
             await asyncio.gather(
                 *(w.aclose() for w in self.workers.values()), return_exceptions=True
             )
-            if failure is None:
-                self.kafka_grace.set()
+            # The records in process finished: what waits on this client from now on (the
+            # commits, also one in flight, and its stop) gets stop_timeout_s in all.
+            grace = self.kafka_grace if failure is None else retire
+            grace.set()
             await self.close_workers(list(self.workers))
             for task in background:
                 task.cancel()
@@ -231,10 +257,12 @@ class KafkaRunner:
             auto_offset_reset=config.auto_offset_reset,
             isolation_level="read_committed",
         )
+        self._listener = None
         if config.assignment:
             kafka.assign([TopicPartition(t, p) for t, p in config.assignment])
         else:
-            kafka.subscribe(list(config.topics), listener=_Listener(self))
+            self._listener = _Listener(self)
+            kafka.subscribe(list(config.topics), listener=self._listener)
         return kafka
 
     async def _started(self) -> AIOKafkaConsumer | None:
@@ -267,13 +295,18 @@ class KafkaRunner:
         high = self.config.max_buffered_records
         next_lag = 0.0
         while not self.stopping.is_set():
-            batches = await kafka.getmany(timeout_ms=100, max_records=500)
+            try:
+                batches = await kafka.getmany(timeout_ms=100, max_records=500)
+            except RuntimeError as exc:
+                # aiokafka#1038 on a path that reports to getmany (a heartbeat's write).
+                raise KafkaClientFailed(f"it raised RuntimeError: {exc}".splitlines()[0]) from exc
             if not batches and (failure := client_failure(kafka)) is not None:
                 raise KafkaClientFailed(failure)
             if time.monotonic() >= next_lag:
                 next_lag = time.monotonic() + LAG_REFRESH_S
                 await self.refresh_lag(kafka)
                 if (stall := self.fetch_stall(kafka)) is not None:
+                    self._stall_bound_s = min(2 * self._stall_bound_s, FETCH_STALL_MAX_S)
                     raise KafkaClientFailed(stall)
             for tp, records in batches.items():
                 worker = self.workers.get(tp)
@@ -298,22 +331,29 @@ class KafkaRunner:
         A partition whose end offset or position is not known yet keeps its last value."""
         metrics = self.deps.metrics
         for tp, worker in list(self.workers.items()):
-            end = kafka.last_stable_offset(tp)
-            if end is None:
-                end = kafka.highwater(tp)
-            if end is None:
-                continue
             try:
+                end = kafka.last_stable_offset(tp)
+                if end is None:
+                    end = kafka.highwater(tp)
+                if end is None:
+                    continue
                 position = await asyncio.wait_for(kafka.position(tp), 0.05)
-            except (KafkaError, TimeoutError, AssertionError, KeyError):
+            except (KafkaError, TimeoutError, AssertionError, KeyError, AttributeError):
                 continue  # being revoked or not positioned yet
             waiting = len(worker.queue) + worker.in_process
             metrics.set_lag(tp.topic, tp.partition, max(0, end - position) + waiting)
 
-    def fetch_stall(self, kafka: AIOKafkaConsumer) -> str | None:
+    def fetch_stall(self, kafka: AIOKafkaConsumer, now: float | None = None) -> str | None:
         """A partition this consumer waits on (nothing queued or in process, not paused)
-        that got no fetch response for :data:`FETCH_STALL_S`, as one line; else None."""
-        now = time.time()
+        that got no fetch response for the current stall bound, as one line; else None.
+
+        Times are monotonic: aiokafka's ``last_poll_timestamp`` (wall clock, ms) is only
+        compared with its previous value, and a new value counts from when it was first
+        seen here (at most :data:`LAG_REFRESH_S` late). The bound goes back to
+        :data:`FETCH_STALL_S` when every partition waited on was answered within it.
+        ``now``: ``time.monotonic()`` unless given (tests)."""
+        now = time.monotonic() if now is None else now
+        waiting, answered = 0, 0
         for tp, worker in list(self.workers.items()):
             if worker.closing or worker.queue or worker.in_process or tp in self.paused:
                 continue
@@ -321,12 +361,19 @@ class KafkaRunner:
                 polled_ms = kafka.last_poll_timestamp(tp)
             except (AssertionError, KeyError, AttributeError):
                 continue  # being revoked
-            since = max(worker.idle_since, (polled_ms or 0) / 1000)
-            if now - since > FETCH_STALL_S:
+            seen = self._polled.get(tp)
+            if polled_ms is not None and (seen is None or seen[0] != polled_ms):
+                seen = self._polled[tp] = (polled_ms, now)
+            waited_s = now - max(worker.idle_since, seen[1] if seen else 0.0)
+            waiting += 1
+            answered += waited_s <= FETCH_STALL_S
+            if waited_s > self._stall_bound_s:
                 return (
-                    f"no fetch response for {tp.topic}[{tp.partition}] in {now - since:.0f} s"
-                    " while waiting for its records"
+                    f"no fetch response for {tp.topic}[{tp.partition}] in {waited_s:.0f} s"
+                    " (Kafka away, or the client stuck)"
                 )
+        if waiting and answered == waiting:
+            self._stall_bound_s = FETCH_STALL_S
         return None
 
     def start_workers(self, partitions: Sequence[TopicPartition] | set[TopicPartition]) -> None:
@@ -347,11 +394,12 @@ class KafkaRunner:
         for worker in workers:
             self.workers.pop(worker.tp, None)
             self.paused.discard(worker.tp)
+            self._polled.pop(worker.tp, None)
             self.deps.metrics.forget_lag(worker.tp.topic, worker.tp.partition)
 
     async def commit(self, workers: Sequence[_PartitionWorker]) -> None:
         """Commit the positions of ``workers`` that moved since their last commit."""
-        kafka = self.kafka
+        kafka, retire = self.kafka, self._retire
         if kafka is None:
             return
         async with self.commit_lock:
@@ -364,9 +412,11 @@ class KafkaRunner:
                 return
             try:
                 # Unbounded while running (aiokafka waits for the coordinator); once
-                # stopping, at most what is left of stop_timeout_s; stop_timeout_s when
-                # the client failed.
-                await self.kafka_grace.bounded(kafka.commit(offsets), self._commit_bound_s)
+                # stopping, or once this client is being replaced, at most what is left of
+                # stop_timeout_s.
+                await retire.bounded(
+                    self.kafka_grace.bounded(kafka.commit(offsets), math.inf), math.inf
+                )
             except KafkaError as exc:
                 # Rebalance in progress or broker away: the records stay uncommitted and may
                 # be redelivered, which the inbox absorbs.
@@ -377,8 +427,8 @@ class KafkaRunner:
                     self.commit_given_up = True
                     _log.warning(
                         "offsets not committed within stop_timeout_s (Kafka does not answer):"
-                        " the records since the last commit are delivered again after the"
-                        " restart and recognised by the inbox"
+                        " the records since the last commit are delivered again (after the"
+                        " restart, or to the next client) and recognised by the inbox"
                     )
                 return
             for worker in workers:
@@ -410,25 +460,47 @@ async def _stop_client(kafka: AIOKafkaConsumer, grace: StopSignal) -> None:
     in-flight fetch escape (``Fetcher.close`` cancels and awaits it): the consumer stopped by
     SIGTERM during a Kafka outage then exited 1 with a traceback. That one is absorbed; a
     cancellation of this task itself still propagates (``Task.cancelling()``). It gets
-    :data:`CLIENT_STOP_MIN_S` at least (the commits may have spent the grace); past that the
-    connections are closed by hand (the group then drops this member after its
-    session timeout, as after a crash)."""
+    :data:`CLIENT_STOP_MIN_S` at least (the commits may have spent the grace). Whenever
+    ``stop()`` did not finish (past the bound; an error, such as the one a dead fetch task
+    re-raises before the connections close, or aiokafka#1038's ``RuntimeError`` while
+    leaving the group) the client's tasks and connections are closed by hand
+    (:func:`_close_by_hand`): a replaced client must leave nothing running. The group
+    then drops this member after its session timeout, as after a crash."""
+    stopped = False
     try:
         await asyncio.wait_for(kafka.stop(), max(grace.left_s(), CLIENT_STOP_MIN_S))
-    except KafkaError:
-        # A fetch task that died re-raises its error from stop() before the connections
-        # close (KafkaClientFailed): close them here.
-        with contextlib.suppress(Exception):
-            await kafka._client.close()
+        stopped = True
     except TimeoutError:
         _log.warning("Kafka client not stopped within stop_timeout_s: connections closed")
-        with contextlib.suppress(Exception):
-            await kafka._client.close()
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is not None and task.cancelling():
+            await _close_by_hand(kafka)
             raise
         _log.debug("aiokafka's stop() raised its fetch task's CancelledError (broker away)")
+    except Exception as exc:  # KafkaError, or RuntimeError (aiokafka#1038)
+        _log.debug("aiokafka's stop() failed: %r", exc)
+    if not stopped:
+        await _close_by_hand(kafka)
+
+
+async def _close_by_hand(kafka: AIOKafkaConsumer) -> None:
+    """Cancel what an aiokafka consumer whose ``stop()`` did not finish still runs (the
+    coordinator's and the fetcher's tasks) and close its connections. Private attributes of
+    aiokafka 0.14; whatever is missing is skipped."""
+    coordinator = getattr(kafka, "_coordinator", None)
+    fetcher = getattr(kafka, "_fetcher", None)
+    tasks = [
+        getattr(coordinator, name, None)
+        for name in ("_coordination_task", "_heartbeat_task", "_commit_refresh_task")
+    ]
+    tasks += [getattr(fetcher, "_fetch_task", None), *getattr(fetcher, "_pending_tasks", ())]
+    for task in tasks:
+        if isinstance(task, asyncio.Future) and not task.done():
+            cancel_unawaited(task)
+    with contextlib.suppress(Exception):
+        await kafka._client.close()
+    kafka._closed = True  # closed by hand: no "Unclosed AIOKafkaConsumer" warning
 
 
 class _PartitionWorker:
@@ -442,9 +514,9 @@ class _PartitionWorker:
         self.position: int | None = None  # offset to commit: last finished + 1
         self.committed: int | None = None
         self.in_process = 0  # records taken from the queue whose pipeline has not finished
-        # time.time() when the queue was last found empty with nothing in process: from
-        # then on the worker waits on Kafka (KafkaRunner.fetch_stall).
-        self.idle_since = time.time()
+        # time.monotonic() when its last batch ended (or it started): once its queue is
+        # empty the worker waits on Kafka from then on (KafkaRunner.fetch_stall).
+        self.idle_since = time.monotonic()
         self._wake = asyncio.Event()
         self.task = asyncio.create_task(self._run(), name=f"inbox-{tp.topic}-{tp.partition}")
 
@@ -475,7 +547,7 @@ class _PartitionWorker:
                 outcomes = await runner.process_batch(records, abandon=lambda: self.closing)
             finally:
                 self.in_process = 0
-                self.idle_since = time.time()
+                self.idle_since = time.monotonic()
             for record, outcome in zip(records, outcomes, strict=False):
                 if outcome is Outcome.ABANDONED:
                     return
@@ -484,11 +556,16 @@ class _PartitionWorker:
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """The rebalance listener of ONE client: once ``retired`` (the client is stopping or
+    being replaced) an assignment that still completes starts no worker."""
+
     def __init__(self, runner: KafkaRunner) -> None:
         self.runner = runner
+        self.retired = False
 
     async def on_partitions_revoked(self, revoked: Sequence[TopicPartition]) -> None:
         await self.runner.close_workers(list(revoked))
 
     async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
-        self.runner.start_workers(list(assigned))
+        if not self.retired:
+            self.runner.start_workers(list(assigned))

@@ -621,12 +621,8 @@ async def test_a_client_whose_fetch_task_died_is_replaced_and_no_record_is_left(
         [f"a{i}" for i in range(5)] + [f"b{i}" for i in range(5)]
     )
     assert runner.kafka is not first_client
-    lines = [r.getMessage() for r in caplog.records]
-    assert any(
-        "down: Kafka client failed (its fetch task died: RuntimeError: unable to perform" in x
-        for x in lines
-    ), lines
-    assert any(f"consumer group {group} up again" in x for x in lines), lines
+    assert_replaced_once(caplog, group, "its fetch task died: RuntimeError: unable to perform")
+    assert_closed(first_client)
 
 
 async def test_a_client_whose_fetch_hangs_is_replaced_and_no_record_is_left(
@@ -666,7 +662,21 @@ async def test_a_client_whose_fetch_hangs_is_replaced_and_no_record_is_left(
     await poll(all_committed, "the 5 events sent while the fetch hung committed")
     assert len(payment_rows(engine, group)) == 10
     assert runner.kafka is not first_client
+    assert_replaced_once(caplog, group, f"no fetch response for {topic}[0] in")
+    assert_closed(first_client)
+
+
+def assert_replaced_once(caplog: pytest.LogCaptureFixture, group: str, cause: str) -> None:
+    """Exactly one replacement, for ``cause``, and the health back up after it."""
     lines = [r.getMessage() for r in caplog.records]
-    assert any(
-        f"down: Kafka client failed (no fetch response for {topic}[0] in" in x for x in lines
-    ), lines
+    failed = [x for x in lines if "Kafka client failed" in x]
+    assert len(failed) == 1, lines
+    assert f"consumer group {group} down: Kafka client failed ({cause}" in failed[0], lines
+    assert any(f"consumer group {group} up again" in x for x in lines), lines
+
+
+def assert_closed(kafka: Any) -> None:
+    """The replaced client runs no task and holds no connection."""
+    assert kafka._closed
+    assert kafka._fetcher._fetch_task.done()
+    assert not any(conn.connected() for conn in kafka._client._conns.values())
