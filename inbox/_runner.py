@@ -414,9 +414,12 @@ class KafkaRunner:
                 # Unbounded while running (aiokafka waits for the coordinator); once
                 # stopping, or once this client is being replaced, at most what is left of
                 # stop_timeout_s.
-                await retire.bounded(
-                    self.kafka_grace.bounded(kafka.commit(offsets), math.inf), math.inf
-                )
+                # (kafka.commit is called inside: a wait cut short before it starts leaves
+                # no coroutine that was never awaited.)
+                async def commit_offsets() -> None:
+                    await self.kafka_grace.bounded(kafka.commit(offsets), math.inf)
+
+                await retire.bounded(commit_offsets(), math.inf)
             except KafkaError as exc:
                 # Rebalance in progress or broker away: the records stay uncommitted and may
                 # be redelivered, which the inbox absorbs.

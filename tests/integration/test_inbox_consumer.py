@@ -680,3 +680,53 @@ def assert_closed(kafka: Any) -> None:
     assert kafka._closed
     assert kafka._fetcher._fetch_task.done()
     assert not any(conn.connected() for conn in kafka._client._conns.values())
+
+
+async def test_a_commit_hanging_on_the_failed_client_does_not_hold_its_replacement(
+    database_url: str,
+    engine: Engine,
+    kafka_bootstrap: str,
+    new_topic: Any,
+    running: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An offset commit in flight on the failed client (its coordinator gone quiet) held
+    the commit lock with no bound, and the replacement waited behind it forever. It now
+    gets stop_timeout_s (1 s here) once the records in process finished."""
+    topic = await new_topic.acreate("inbox-commit-hangs", partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    await produce(kafka_bootstrap, topic, [order_event(topic, f"a{i}", "1.00") for i in range(5)])
+    consumer = make_consumer(database_url, kafka_bootstrap, topic, group, stop_timeout_s=1.0)
+    await running(consumer)
+
+    async def five_committed() -> bool:
+        return await committed(kafka_bootstrap, group, topic) == 5
+
+    await poll(five_committed, "the first 5 events committed")
+    runner = consumer._runner
+    assert runner is not None and runner.kafka is not None
+    first_client = runner.kafka
+    hanging = asyncio.Event()
+
+    async def commit_never_answered(*_args: Any, **_kwargs: Any) -> None:
+        hanging.set()
+        await asyncio.Event().wait()
+
+    first_client.commit = commit_never_answered
+    await produce(kafka_bootstrap, topic, [order_event(topic, "b0", "1.00")])
+    await asyncio.wait_for(hanging.wait(), 30)  # the commit loop now holds the lock
+
+    async def closed_transport(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+    first_client._fetcher._proc_fetch_request = closed_transport
+    caplog.set_level(logging.WARNING, logger="ledgerbox.inbox")
+    await produce(kafka_bootstrap, topic, [order_event(topic, f"c{i}", "1.00") for i in range(5)])
+
+    async def all_committed() -> bool:
+        return await committed(kafka_bootstrap, group, topic) == 11
+
+    await poll(all_committed, "the events after the hanging commit committed by a new client")
+    assert len(payment_rows(engine, group)) == 11
+    assert_replaced_once(caplog, group, "its fetch task died: RuntimeError")
+    assert_closed(first_client)
