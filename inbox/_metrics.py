@@ -14,6 +14,7 @@ from collections.abc import Callable
 from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
+    "CLIENT_REPLACED",
     "CONFLICTS",
     "DEAD_LETTERED",
     "DUPLICATES",
@@ -53,6 +54,13 @@ HEALTH = Gauge(
     "Health of the consumer: 0 ok, 1 degraded (Redis away), 2 down (a fault of the "
     "environment stops progress).",
     ["group"],
+)
+CLIENT_REPLACED = Counter(
+    "ledgerbox_inbox_client_replaced_total",
+    "Kafka clients replaced because they stopped fetching, by why: fetch_task_died (aiokafka's "
+    "fetch task ended, e.g. aiokafka#1038 under uvloop) or no_fetch_response (a partition "
+    "waited on got no fetch response within the stall bound).",
+    ["group", "why"],
 )
 CONFLICTS = Counter(
     "ledgerbox_inbox_conflicts_total",
@@ -143,6 +151,10 @@ class GroupMetrics:
         self.lock_acquired = LOCK_ACQUIRED.labels(group)
         self.lock_contended = LOCK_CONTENDED.labels(group)
         self.lock_expired = LOCK_EXPIRED.labels(group)
+        self.client_replaced = {
+            why: CLIENT_REPLACED.labels(group, why)
+            for why in ("fetch_task_died", "no_fetch_response")
+        }
 
     def observe_latency(self, occurred_at: dt.datetime) -> None:
         """Observe one applied event's end-to-end latency (``clock() - occurred_at``, s;

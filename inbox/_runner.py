@@ -100,13 +100,15 @@ LAG_REFRESH_S = 1.0
 
 
 class KafkaClientFailed(Exception):
-    """The aiokafka client stopped working although it was not stopped (its fetch task
-    ended): :meth:`KafkaRunner.run` replaces it. ``cause`` is the task's error, as one
-    line."""
+    """The aiokafka client stopped fetching although it was not stopped:
+    :meth:`KafkaRunner.run` replaces it. ``cause`` is one line; ``why`` is the label of
+    ``ledgerbox_inbox_client_replaced_total`` (``fetch_task_died`` or
+    ``no_fetch_response``)."""
 
-    def __init__(self, cause: str) -> None:
+    def __init__(self, cause: str, why: str) -> None:
         super().__init__(cause)
         self.cause = cause
+        self.why = why
 
 
 def client_failure(kafka: AIOKafkaConsumer) -> str | None:
@@ -224,6 +226,7 @@ class KafkaRunner:
             await self._fetch_loop(kafka)
         except KafkaClientFailed as exc:
             failure = exc.cause
+            self.deps.metrics.client_replaced[exc.why].inc()
             self.deps.health.fault(
                 "kafka", f"Kafka client failed ({failure}): a new client joins the group"
             )
@@ -299,15 +302,17 @@ class KafkaRunner:
                 batches = await kafka.getmany(timeout_ms=100, max_records=500)
             except RuntimeError as exc:
                 # aiokafka#1038 on a path that reports to getmany (a heartbeat's write).
-                raise KafkaClientFailed(f"it raised RuntimeError: {exc}".splitlines()[0]) from exc
+                raise KafkaClientFailed(
+                    f"it raised RuntimeError: {exc}".splitlines()[0], "fetch_task_died"
+                ) from exc
             if not batches and (failure := client_failure(kafka)) is not None:
-                raise KafkaClientFailed(failure)
+                raise KafkaClientFailed(failure, "fetch_task_died")
             if time.monotonic() >= next_lag:
                 next_lag = time.monotonic() + LAG_REFRESH_S
                 await self.refresh_lag(kafka)
                 if (stall := self.fetch_stall(kafka)) is not None:
                     self._stall_bound_s = min(2 * self._stall_bound_s, FETCH_STALL_MAX_S)
-                    raise KafkaClientFailed(stall)
+                    raise KafkaClientFailed(stall, "no_fetch_response")
             for tp, records in batches.items():
                 worker = self.workers.get(tp)
                 if worker is None or worker.closing:

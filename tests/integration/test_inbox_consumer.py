@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
 from ledgerbox.inbox import _runner as runner_module
 from ledgerbox.inbox._handlers import ConsumerHooks
-from ledgerbox.inbox._metrics import DUPLICATES, PROCESSED
+from ledgerbox.inbox._metrics import CLIENT_REPLACED, DUPLICATES, PROCESSED
 from ledgerbox.inbox.testing import record_for
 from ledgerbox.outbox import EventEnvelope, OutboxTable, OutboxWriter, TopicRouter
 from tests._inbox_support import committed, order_event, poll, produce
@@ -667,7 +667,12 @@ async def test_a_client_whose_fetch_hangs_is_replaced_and_no_record_is_left(
 
 
 def assert_replaced_once(caplog: pytest.LogCaptureFixture, group: str, cause: str) -> None:
-    """Exactly one replacement, for ``cause``, and the health back up after it."""
+    """Exactly one replacement, for ``cause``, counted by its metric, and the health back up
+    after it."""
+    why = "no_fetch_response" if cause.startswith("no fetch response") else "fetch_task_died"
+    other = {"no_fetch_response": "fetch_task_died", "fetch_task_died": "no_fetch_response"}
+    assert CLIENT_REPLACED.labels(group, why)._value.get() == 1
+    assert CLIENT_REPLACED.labels(group, other[why])._value.get() == 0
     lines = [r.getMessage() for r in caplog.records]
     failed = [x for x in lines if "Kafka client failed" in x]
     assert len(failed) == 1, lines
