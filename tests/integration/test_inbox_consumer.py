@@ -593,15 +593,9 @@ async def test_a_client_whose_fetch_task_died_is_replaced_and_no_record_is_left(
     ``getmany`` then returned nothing forever while the heartbeats kept the partitions on
     this member, and the consumer applied no more events. The same RuntimeError is put in
     the fetch task here (the loop under test is asyncio's)."""
-    topic = await new_topic.acreate("inbox-fetch-dies", partitions=1)
-    group = f"g-{uuid.uuid4().hex[:8]}"
-    await produce(kafka_bootstrap, topic, [order_event(topic, f"a{i}", "1.00") for i in range(5)])
-    consumer = make_consumer(database_url, kafka_bootstrap, topic, group)
-    await running(consumer)
-    await poll(lambda: _count_async(engine, group, 5), "the first 5 events applied")
-    runner = consumer._runner
-    assert runner is not None and runner.kafka is not None
-    first_client = runner.kafka
+    topic, group, runner, first_client = await five_committed(
+        database_url, kafka_bootstrap, new_topic, running, "inbox-fetch-dies"
+    )
 
     async def closed_transport(*_args: Any, **_kwargs: Any) -> Any:
         raise RuntimeError(
@@ -611,12 +605,9 @@ async def test_a_client_whose_fetch_task_died_is_replaced_and_no_record_is_left(
 
     first_client._fetcher._proc_fetch_request = closed_transport
     caplog.set_level(logging.WARNING, logger="ledgerbox.inbox")
-    await produce(kafka_bootstrap, topic, [order_event(topic, f"b{i}", "1.00") for i in range(5)])
-
-    async def all_committed() -> bool:
-        return await committed(kafka_bootstrap, group, topic) == 10
-
-    await poll(all_committed, "the 5 events sent after the fetch task died committed")
+    await send_and_commit(
+        kafka_bootstrap, topic, group, "b", 10, "the 5 events sent after the fetch task died"
+    )
     assert sorted(r[0] for r in payment_rows(engine, group)) == sorted(
         [f"a{i}" for i in range(5)] + [f"b{i}" for i in range(5)]
     )
@@ -639,31 +630,50 @@ async def test_a_client_whose_fetch_hangs_is_replaced_and_no_record_is_left(
     nothing for 90 s). No fetch response for FETCH_STALL_S (3 s here) replaces the
     client."""
     monkeypatch.setattr(runner_module, "FETCH_STALL_S", 3.0)
-    topic = await new_topic.acreate("inbox-fetch-hangs", partitions=1)
-    group = f"g-{uuid.uuid4().hex[:8]}"
-    await produce(kafka_bootstrap, topic, [order_event(topic, f"a{i}", "1.00") for i in range(5)])
-    consumer = make_consumer(database_url, kafka_bootstrap, topic, group)
-    await running(consumer)
-    await poll(lambda: _count_async(engine, group, 5), "the first 5 events applied")
-    runner = consumer._runner
-    assert runner is not None and runner.kafka is not None
-    first_client = runner.kafka
+    topic, group, runner, first_client = await five_committed(
+        database_url, kafka_bootstrap, new_topic, running, "inbox-fetch-hangs"
+    )
 
     async def never_answered(*_args: Any, **_kwargs: Any) -> Any:
         await asyncio.Event().wait()
 
     first_client._fetcher._proc_fetch_request = never_answered
     caplog.set_level(logging.WARNING, logger="ledgerbox.inbox")
-    await produce(kafka_bootstrap, topic, [order_event(topic, f"b{i}", "1.00") for i in range(5)])
-
-    async def all_committed() -> bool:
-        return await committed(kafka_bootstrap, group, topic) == 10
-
-    await poll(all_committed, "the 5 events sent while the fetch hung committed")
+    await send_and_commit(
+        kafka_bootstrap, topic, group, "b", 10, "the 5 events sent while the fetch hung"
+    )
     assert len(payment_rows(engine, group)) == 10
     assert runner.kafka is not first_client
     assert_replaced_once(caplog, group, f"no fetch response for {topic}[0] in")
     assert_closed(first_client)
+
+
+async def five_committed(
+    database_url: str, bootstrap: str, new_topic: Any, running: Any, name: str, **extra: Any
+) -> tuple[str, str, runner_module.KafkaRunner, Any]:
+    """A consumer of a new one-partition topic ``name`` that applied and committed 5 events
+    (``a0``..``a4``): its topic, group, runner and the runner's current Kafka client."""
+    topic = await new_topic.acreate(name, partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    consumer = make_consumer(database_url, bootstrap, topic, group, **extra)
+    await running(consumer)
+    await send_and_commit(bootstrap, topic, group, "a", 5, "the first 5 events")
+    runner = consumer._runner
+    assert runner is not None and runner.kafka is not None
+    return topic, group, runner, runner.kafka
+
+
+async def send_and_commit(
+    bootstrap: str, topic: str, group: str, prefix: str, total: int, what: str
+) -> None:
+    """Send 5 events (order ids ``prefix0``..``prefix4``) and wait until the group's
+    committed offset is ``total``."""
+    await produce(bootstrap, topic, [order_event(topic, f"{prefix}{i}", "1.00") for i in range(5)])
+
+    async def all_committed() -> bool:
+        return await committed(bootstrap, group, topic) == total
+
+    await poll(all_committed, f"{what} committed")
 
 
 def assert_replaced_once(caplog: pytest.LogCaptureFixture, group: str, cause: str) -> None:
@@ -698,19 +708,9 @@ async def test_a_commit_hanging_on_the_failed_client_does_not_hold_its_replaceme
     """An offset commit in flight on the failed client (its coordinator gone quiet) held
     the commit lock with no bound, and the replacement waited behind it forever. It now
     gets stop_timeout_s (1 s here) once the records in process finished."""
-    topic = await new_topic.acreate("inbox-commit-hangs", partitions=1)
-    group = f"g-{uuid.uuid4().hex[:8]}"
-    await produce(kafka_bootstrap, topic, [order_event(topic, f"a{i}", "1.00") for i in range(5)])
-    consumer = make_consumer(database_url, kafka_bootstrap, topic, group, stop_timeout_s=1.0)
-    await running(consumer)
-
-    async def five_committed() -> bool:
-        return await committed(kafka_bootstrap, group, topic) == 5
-
-    await poll(five_committed, "the first 5 events committed")
-    runner = consumer._runner
-    assert runner is not None and runner.kafka is not None
-    first_client = runner.kafka
+    topic, group, _runner, first_client = await five_committed(
+        database_url, kafka_bootstrap, new_topic, running, "inbox-commit-hangs", stop_timeout_s=1.0
+    )
     hanging = asyncio.Event()
 
     async def commit_never_answered(*_args: Any, **_kwargs: Any) -> None:
@@ -726,12 +726,9 @@ async def test_a_commit_hanging_on_the_failed_client_does_not_hold_its_replaceme
 
     first_client._fetcher._proc_fetch_request = closed_transport
     caplog.set_level(logging.WARNING, logger="ledgerbox.inbox")
-    await produce(kafka_bootstrap, topic, [order_event(topic, f"c{i}", "1.00") for i in range(5)])
-
-    async def all_committed() -> bool:
-        return await committed(kafka_bootstrap, group, topic) == 11
-
-    await poll(all_committed, "the events after the hanging commit committed by a new client")
+    await send_and_commit(
+        kafka_bootstrap, topic, group, "c", 11, "the events after the hanging commit (new client)"
+    )
     assert len(payment_rows(engine, group)) == 11
     assert_replaced_once(caplog, group, "its fetch task died: RuntimeError")
     assert_closed(first_client)
