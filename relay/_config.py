@@ -62,7 +62,7 @@ class RelayConfig:
     batch_size : int
         Most events claimed, published and marked per batch (default 1000).
     lanes : int
-        Most concurrent claim -> publish -> mark pipelines inside this relay (default 8,
+        Most concurrent claim -> publish -> mark pipelines inside this relay (default 4,
         1..64). One runs while the relay keeps up; all of them while there is a backlog. The
         running lanes split the owned shards by ``shard % n``: a shard belongs to exactly one
         lane, so rows of one key are still handed to the producer in id order by one pipeline
@@ -139,7 +139,7 @@ class RelayConfig:
     outbox_table: str = "outbox"
     schema: str | None = None
     batch_size: int = 1000
-    lanes: int = 8
+    lanes: int = 4
     poll_interval_s: float = 1.0
     lease_ttl_s: float = 5.0
     heartbeat_interval_s: float = 1.0

@@ -129,7 +129,7 @@ def test_config_defaults_and_url_conversion() -> None:
         database_url="postgresql+psycopg://u:p@h:5/db", kafka_bootstrap_servers="k:9092"
     )
     assert cfg.batch_size == 1000
-    assert cfg.lanes == 8
+    assert cfg.lanes == 4
     assert cfg.on_dead_letter == "hold"
     assert cfg.compression == "lz4"
     assert cfg.retention_s == 7 * 86400
