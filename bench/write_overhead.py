@@ -5,11 +5,12 @@ SQLAlchemy ``Session`` and commits; the "with" variant also stages one event
 (``OutboxWriter.stage``: ``session.add``, inserted at the same flush).
 
 ``write_overhead_order_tx`` (target <= 1.15): the example order service's real transaction
-(``example_services/orders/api.py``, ``POST /orders`` without HTTP, its own ``PLACE_ORDER``
-statement imported, so the two cannot drift apart): the ``OrderPlaced`` event built, then on
-an ``AsyncConnection`` ``astage_once`` and ``PLACE_ORDER`` (the order row, its history row and
-the row back in one statement); without the event, the same minus the event and
-``astage_once``. (Until 2026-12-05 the bench ran the service's earlier three statements.)
+(``example_services/orders/api.py``, ``POST /orders`` without HTTP, the service's
+code imported, so the two cannot drift apart): the ``OrderPlaced`` event built, then on an
+``AsyncConnection`` the service's ``place_order_tx`` (the order row, its history row, the
+event and the row back in one statement); without the event, the service's ``PLACE_ORDER``
+alone (the same statement without the event). (Until 2026-12-05 the bench ran the
+service's earlier three statements and a separate ``astage_once``.)
 
 Variants alternate transaction by transaction (interleaved) so machine noise hits both
 alike; the ratio of total times is reported per round and the median over rounds.
@@ -35,7 +36,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
 from bench._common import fresh_database, median, write_result
-from example_services.orders.api import PLACE_ORDER
+from example_services.orders.api import PLACE_ORDER, place_order_statement, place_order_tx
 from ledgerbox.outbox import OutboxWriter, TopicRouter, idempotency_key
 
 TRANSACTIONS = int(os.environ.get("BENCH_WRITE_TRANSACTIONS", "2000"))
@@ -83,14 +84,16 @@ def _round(engine: sa.Engine, orders: sa.Table, writer: OutboxWriter) -> tuple[f
     return with_s, without_s
 
 
-async def _order_round(engine: Any, writer: OutboxWriter, n: int) -> tuple[float, float]:
+async def _order_round(
+    engine: Any, writer: OutboxWriter, statement: sa.TextClause, n: int
+) -> tuple[float, float]:
     """The order service's transaction, with and without its event, interleaved."""
     with_s = without_s = 0.0
     for i in range(2 * n):
         staged = i % 2 == 0
         order_id = uuid.uuid4()
         start = time.perf_counter()
-        await _place_order(engine, writer, order_id, staged)
+        await _place_order(engine, writer, statement, order_id, staged)
         elapsed = time.perf_counter() - start
         if staged:
             with_s += elapsed
@@ -100,43 +103,47 @@ async def _order_round(engine: Any, writer: OutboxWriter, n: int) -> tuple[float
 
 
 async def _place_order(
-    engine: Any, writer: OutboxWriter, order_id: uuid.UUID, staged: bool
+    engine: Any,
+    writer: OutboxWriter,
+    statement: sa.TextClause,
+    order_id: uuid.UUID,
+    staged: bool,
 ) -> None:
     """``POST /orders`` of example_services/orders/api.py after validation, without HTTP: the
-    event built, then in one transaction ``astage_once`` and the service's own statement
-    (``PLACE_ORDER``: the order, its history row and the row back, one round trip).
-    Without the event: the same minus ``astage_once`` (and the event)."""
+    event built, then in one transaction the service's own ``place_order_tx`` (the order,
+    its history row and the event in one statement). Without the event: the same
+    transaction's ``PLACE_ORDER`` alone (the order and its history, no event)."""
     customer = f"c{order_id.int % 1000}"
-    event_id = uuid.uuid5(uuid.NAMESPACE_URL, order_id.hex)
-    if staged:
-        event = writer.event(
-            event_type="OrderPlaced",
-            aggregate_type="order",
-            aggregate_id=order_id,
-            aggregate_version=1,
-            partition_key=customer,
-            payload={
-                "order_id": str(order_id),
-                "customer_id": customer,
-                "amount": "10.00",
-                "currency": "EUR",
-            },
-            idempotency_key=idempotency_key("order", customer, order_id.hex),
-        )
-        event_id = event.event_id
-    async with engine.begin() as conn:
-        if staged:
-            created = (await writer.astage_once(conn, event)).created
-            assert created
-        params = {
-            "id": order_id,
+    order = {
+        "id": order_id,
+        "customer_id": customer,
+        "amount": Decimal("10.00"),
+        "currency": "EUR",
+        "status": "PENDING",
+        "event_id": uuid.uuid5(uuid.NAMESPACE_URL, order_id.hex),
+    }
+    if not staged:
+        async with engine.begin() as conn:
+            (await conn.execute(PLACE_ORDER, order)).mappings().one()
+        return
+    event = writer.event(
+        event_type="OrderPlaced",
+        aggregate_type="order",
+        aggregate_id=order_id,
+        aggregate_version=1,
+        partition_key=customer,
+        payload={
+            "order_id": str(order_id),
             "customer_id": customer,
-            "amount": Decimal("10.00"),
+            "amount": "10.00",
             "currency": "EUR",
-            "status": "PENDING",
-            "event_id": event_id,
-        }
-        (await conn.execute(PLACE_ORDER, params)).mappings().one()
+        },
+        idempotency_key=idempotency_key("order", customer, order_id.hex),
+    )
+    order["event_id"] = event.event_id
+    async with engine.begin() as conn:
+        placed, row = await place_order_tx(conn, writer, statement, event, order)
+        assert placed.created and row is not None
 
 
 def _order_tx() -> dict[str, Any]:
@@ -153,8 +160,12 @@ def _order_tx() -> dict[str, Any]:
         async def rounds() -> list[tuple[float, float]]:
             engine = create_async_engine(url, pool_size=2)
             try:
-                await _order_round(engine, writer, TRANSACTIONS // 4)  # warm-up
-                return [await _order_round(engine, writer, TRANSACTIONS) for _ in range(ROUNDS)]
+                statement = place_order_statement(writer)
+                await _order_round(engine, writer, statement, TRANSACTIONS // 4)  # warm-up
+                return [
+                    await _order_round(engine, writer, statement, TRANSACTIONS)
+                    for _ in range(ROUNDS)
+                ]
             finally:
                 await engine.dispose()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -408,6 +409,78 @@ class OutboxWriter:
             await target.run_sync(_insert_staged, None, None)  # events staged before go first
         return await arun_plan(self._stage_once_plan(event), execute)
 
+    def stage_once_sql(self, *, prefix: str = "outbox_") -> str:
+        """:meth:`stage_once`'s INSERT as SQL text, to put the event into the caller's own
+        statement as a data-modifying CTE: the business write and the event in ONE round trip.
+
+        ``INSERT INTO <outbox> (...) VALUES (:<prefix>event_id, ...) ON CONFLICT DO NOTHING
+        RETURNING id``, with SQLAlchemy's named binds (``:name``, as in ``sa.text``), the
+        JSON columns cast from text. Constant for a writer and prefix: build the statement once
+        (a module-level ``sa.text``), bind :meth:`stage_once_params` per call::
+
+            WITH staged AS ({writer.stage_once_sql()}),
+                 placed AS (INSERT INTO orders (id, ...) SELECT :id, ... FROM staged RETURNING id)
+            SELECT id FROM placed
+
+        ``staged`` has one row when the event is new and none when its idempotency key (or
+        event id) is already in the outbox, exactly as :meth:`stage_once` answers ``created``;
+        make the business write depend on it (``FROM staged``) and, when the statement
+        returns nothing, answer the retried request from :meth:`stage_once` (it returns the
+        stored event). Concurrent twins wait for each other as with :meth:`stage_once`.
+
+        Guarantee (G1): the row is part of the caller's transaction, like every staged event;
+        the relay publishes it after the commit. Events staged with :meth:`stage` on a session
+        and not flushed yet are NOT written first (a plain statement does not flush): flush
+        before, or publish order per key follows the statements, not the calls. One round
+        trip fewer than :meth:`astage_once` + the business statement (the example order
+        service: docs/performance.md, "write_overhead_order_tx").
+
+        Parameters
+        ----------
+        prefix : str
+            Prefix of the bind names (``outbox_event_id`` ...), so they cannot clash with the
+            statement's own; letters, digits and ``_``, not starting with a digit.
+
+        Returns
+        -------
+        str
+            The INSERT (no trailing semicolon), the table schema-qualified as configured.
+
+        Raises
+        ------
+        ConfigurationError
+            ``prefix`` is not a valid bind name prefix.
+        """
+        _check_prefix(prefix)
+        columns = ", ".join(_STAGED_COLUMNS)
+        values = ", ".join(
+            f"CAST(:{prefix}{c} AS jsonb)" if c in ("payload", "headers") else f":{prefix}{c}"
+            for c in _STAGED_COLUMNS
+        )
+        # names: a validated identifier (OutboxTable), fixed columns, a checked prefix
+        return (
+            f"INSERT INTO {self.table.qualified_name} ({columns}) VALUES ({values})"  # noqa: S608
+            + _ON_CONFLICT_RETURNING
+        )
+
+    def stage_once_params(self, event: EventEnvelope, *, prefix: str = "outbox_") -> dict[str, Any]:
+        """The bind values of :meth:`stage_once_sql` for ``event``: ``{prefix + column: value}``,
+        the payload and headers as JSON text; no I/O. Merge them with the statement's own
+        parameters.
+
+        Raises
+        ------
+        PayloadTooLargeError
+            The payload exceeds ``max_payload_bytes``.
+        EventValidationError
+            The payload is not JSON-ready (an envelope built directly).
+        ConfigurationError
+            ``prefix`` is not a valid bind name prefix.
+        """
+        _check_prefix(prefix)
+        _row, params = self._rows(event)
+        return {prefix + name: value for name, value in params.items()}
+
     def is_duplicate(self, exc: BaseException) -> bool:
         """True if ``exc`` (or its cause) says this event was already written.
 
@@ -716,6 +789,17 @@ _STAGED_COLUMNS = (
     "headers",
     "occurred_at",
 )
+
+
+_PREFIX = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _check_prefix(prefix: str) -> None:
+    if not isinstance(prefix, str) or not _PREFIX.match(prefix):
+        raise ConfigurationError(
+            f"bind name prefix {prefix!r} is not valid: use letters, digits and _, not"
+            " starting with a digit (e.g. 'outbox_')"
+        )
 
 
 def _insert_once_statement(table: sa.Table, qualified_name: str) -> sa.TextClause:

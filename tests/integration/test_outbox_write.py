@@ -1035,3 +1035,183 @@ def test_a_failed_unit_of_work_drops_the_events_kept_for_after_it(
         with session.begin():
             WRITER.stage(session, _event(97))
     assert _outbox_ids(engine) == ["97"]
+
+
+# -- stage_once_sql / stage_once_params: the event in the caller's own statement -------------
+
+
+def _place(writer: OutboxWriter, prefix: str = "outbox_") -> sa.TextClause:
+    """A business insert that happens only if the event is new, and the event, in ONE
+    statement (the pattern of docs/outbox.md, "The event in your own statement")."""
+    return sa.text(  # the library's SQL (validated table name, checked prefix)
+        f"WITH staged AS ({writer.stage_once_sql(prefix=prefix)}),"  # noqa: S608
+        " placed AS (INSERT INTO orders_tmp (id, amount) SELECT :id, :amount FROM staged"
+        " RETURNING id) SELECT id FROM placed"
+    )
+
+
+@pytest.fixture
+def orders_tmp(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE orders_tmp (id int PRIMARY KEY, amount numeric)"))
+
+
+def test_stage_once_sql_in_a_cte_stores_what_stage_once_stores(
+    engine: Engine, orders_tmp: None
+) -> None:
+    """Every column as ``stage_once`` binds it (JSON payload and headers, Decimal, aware
+    microsecond datetimes, the shard), the business row in the same statement."""
+    occurred = dt.datetime(2026, 11, 29, 10, 0, 0, 123456, tzinfo=dt.UTC)
+    payload = Money(
+        amount=Decimal("100.10"),
+        order_id=uuid.UUID("0a8f2c1e-5b7d-4e3f-9a21-7c6d5e4f3a2b"),
+        at=dt.datetime(2026, 11, 29, 23, 59, 59, 999999, tzinfo=dt.timezone(dt.timedelta(hours=5))),
+    )
+    events = [
+        WRITER.event(
+            event_type="PaymentRequested",
+            aggregate_type="payment",
+            aggregate_id=f"p{i}",
+            aggregate_version=None if i else 3,
+            payload=payload,
+            idempotency_key=f"cte-{i}",
+            occurred_at=occurred,
+            headers={"traceparent": f"00-{'a' * 32}-{'b' * 16}-01"},
+        )
+        for i in range(2)
+    ]
+    with engine.begin() as conn:
+        for i, event in enumerate(events):
+            params = {**WRITER.stage_once_params(event), "id": i, "amount": Decimal("1.50")}
+            assert conn.execute(_place(WRITER), params).scalar_one() == i
+        reference = WRITER.event(
+            event_type="PaymentRequested", aggregate_type="payment", aggregate_id="p0",
+            aggregate_version=3, payload=payload, idempotency_key="cte-ref",
+            occurred_at=occurred, headers={"traceparent": f"00-{'a' * 32}-{'b' * 16}-01"},
+        )  # fmt: skip
+        assert WRITER.stage_once(conn, reference).created
+    with engine.connect() as conn:
+        rows = {
+            r["idempotency_key"]: r for r in conn.execute(sa.select(TABLE.table)).mappings().all()
+        }
+        assert conn.execute(sa.text("SELECT count(*) FROM orders_tmp")).scalar_one() == 2
+    for event in events:
+        row = rows[event.idempotency_key]
+        assert envelope_from_row(row) == event
+        assert row["shard"] == shard_of(event.partition_key)
+        assert row["status"] == EventStatus.PENDING and row["txid"] is not None
+    same = ("payload", "headers", "occurred_at", "shard", "topic", "source", "aggregate_version")
+    assert {c: rows["cte-0"][c] for c in same} == {c: rows["cte-ref"][c] for c in same}
+
+
+def test_stage_once_sql_a_known_key_returns_no_row_and_the_business_write_is_skipped(
+    engine: Engine, orders_tmp: None
+) -> None:
+    """A retried request (same idempotency key) inserts nothing: the statement returns no
+    row, as ``stage_once`` answers ``created=False``, and ``stage_once`` then gives the event
+    stored first. A rolled-back statement leaves nothing behind."""
+    key = idempotency_key("order", "c", "cte-retry")
+    first, retry = _event(1, key=key), _event(2, key=key)
+    with engine.begin() as conn:
+        params = {**WRITER.stage_once_params(first), "id": 1, "amount": 1}
+        assert conn.execute(_place(WRITER), params).first() is not None
+    with engine.begin() as conn:
+        params = {**WRITER.stage_once_params(retry), "id": 2, "amount": 2}
+        assert conn.execute(_place(WRITER), params).first() is None
+        staged = WRITER.stage_once(conn, retry)
+        assert not staged.created and staged.event == first
+    with engine.connect() as conn:
+        conn.execute(_place(WRITER), {**WRITER.stage_once_params(_event(3)), "id": 3, "amount": 3})
+        conn.rollback()
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT id FROM orders_tmp")).scalars().all() == [1]
+    assert _count(engine) == 1
+
+
+def test_stage_once_sql_twins_wait_on_the_key_and_one_statement_wins(
+    engine: Engine, orders_tmp: None
+) -> None:
+    """Two transactions run the statement for one key: the second waits on the unique index
+    until the first ends; first commits -> the second gets no row; first rolls back -> the
+    second inserts."""
+    for first_commits in (True, False):
+        key = idempotency_key("order", "twin", str(first_commits))
+        a, b = _event(10, key=key), _event(11, key=key)
+        base = 100 if first_commits else 200
+        with engine.connect() as one, engine.connect() as two:
+            params = {**WRITER.stage_once_params(a), "id": base, "amount": 1}
+            assert one.execute(_place(WRITER), params).first() is not None
+            result: list[object] = []
+
+            def second(
+                two: sa.Connection = two,
+                b: EventEnvelope = b,
+                base: int = base,
+                result: list[object] = result,
+            ) -> None:
+                params = {**WRITER.stage_once_params(b), "id": base + 1, "amount": 1}
+                result.append(two.execute(_place(WRITER), params).first())
+                two.commit()
+
+            waiter = threading.Thread(target=second)
+            waiter.start()
+            waiter.join(0.5)
+            assert waiter.is_alive(), "the twin must wait for the first transaction"
+            if first_commits:
+                one.commit()
+            else:
+                one.rollback()
+            waiter.join(10)
+            assert not waiter.is_alive()
+            assert (result[0] is None) is first_commits
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT id FROM orders_tmp ORDER BY id")).scalars().all() == [
+            100,
+            201,
+        ]
+
+
+def test_stage_once_sql_checks_its_prefix_and_the_payload_before_any_io() -> None:
+    from ledgerbox import ConfigurationError
+
+    assert ":evt_event_id" in WRITER.stage_once_sql(prefix="evt_")
+    assert set(WRITER.stage_once_params(_event(1), prefix="evt_")) >= {
+        "evt_event_id",
+        "evt_payload",
+    }
+    for bad in ("", "1x", "a-b", "x y", "a;"):
+        with pytest.raises(ConfigurationError, match="prefix"):
+            WRITER.stage_once_sql(prefix=bad)
+        with pytest.raises(ConfigurationError, match="prefix"):
+            WRITER.stage_once_params(_event(1), prefix=bad)
+    small = OutboxWriter(TopicRouter(default="t"), source="/s", max_payload_bytes=10)
+    big = small.event(
+        event_type="E", aggregate_type="a", aggregate_id=1, payload={"x": "y" * 20},
+        idempotency_key="big",
+    )  # fmt: skip
+    with pytest.raises(PayloadTooLargeError):
+        small.stage_once_params(big)
+
+
+def test_stage_once_sql_names_a_configured_schema_and_table(
+    engine: Engine, database_url: str
+) -> None:
+    names = migrations.Names(schema="ledger", outbox_table="events_out", inbox_table="events_in")
+    migrations.upgrade_database(database_url, names)
+    writer = OutboxWriter(
+        TopicRouter(default="t"), source="/s", table=OutboxTable("events_out", schema="ledger")
+    )
+    event = writer.event(
+        event_type="E", aggregate_type="a", aggregate_id=1, payload={}, idempotency_key="sq"
+    )
+    with engine.begin() as conn:
+        staged = writer.stage_once_sql()
+        statement = sa.text(f"WITH staged AS ({staged}) SELECT id FROM staged")  # noqa: S608
+        assert conn.execute(statement, writer.stage_once_params(event)).first() is not None
+    with engine.connect() as conn:
+        assert (
+            conn.execute(
+                sa.text("SELECT count(*) FROM ledger.events_out WHERE idempotency_key = 'sq'")
+            ).scalar_one()
+            == 1
+        )
