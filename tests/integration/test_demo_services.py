@@ -7,6 +7,7 @@ import datetime as dt
 import socket
 import uuid
 from collections.abc import AsyncIterator
+from decimal import Decimal
 from typing import Any
 
 import httpx
@@ -14,11 +15,13 @@ import pytest
 import pytest_asyncio
 import sqlalchemy as sa
 from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from example_services._config import ServiceSettings
 from example_services.orders.api import create_app as order_app
+from example_services.orders.api import order_writer, place_order_statement, place_order_tx
 from example_services.payments.api import create_app as payment_app
-from ledgerbox.outbox import EventEnvelope
+from ledgerbox.outbox import EventEnvelope, idempotency_key
 
 
 @pytest_asyncio.fixture
@@ -224,6 +227,59 @@ async def test_place_order_writes_order_event_and_history_in_one_transaction(
     )
     assert (entry.version_before, entry.version_after) == (0, 1)
     assert entry.event_id == entry.outbox_event_id and entry.after_order
+
+
+async def test_place_order_tx_answers_a_known_key_and_places_when_the_key_is_new_after_all(
+    orders: httpx.AsyncClient, async_engine: AsyncEngine
+) -> None:
+    """(``orders``: the app's start-up created the service's tables.) ``place_order_tx``
+    without HTTP. A known key: no row, the stored event back, nothing
+    written. The statement found the key but ``astage_once`` then inserts (the row vanished
+    in between, e.g. retention cleanup; forced here with a statement that returns nothing):
+    the order is placed with the event, as a new request."""
+    writer = order_writer(ServiceSettings(orders_topic="t.orders"))
+    statement = place_order_statement(writer)
+
+    def order_of(event: EventEnvelope, order_id: uuid.UUID) -> dict[str, Any]:
+        return {
+            "id": order_id, "customer_id": "c-tx", "amount": Decimal("3.00"), "currency": "EUR",
+            "status": "PENDING", "event_id": event.event_id,
+        }  # fmt: skip
+
+    def event_of(order_id: uuid.UUID, key: str) -> EventEnvelope:
+        return writer.event(
+            event_type="OrderPlaced", aggregate_type="order", aggregate_id=order_id,
+            aggregate_version=1, partition_key="c-tx",
+            payload={"order_id": str(order_id), "customer_id": "c-tx", "amount": "3.00",
+                     "currency": "EUR"},
+            idempotency_key=idempotency_key("order", "c-tx", key),
+        )  # fmt: skip
+
+    first_id, again_id, late_id = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    first = event_of(first_id, "tx-1")
+    async with async_engine.begin() as conn:
+        staged, row = await place_order_tx(
+            conn, writer, statement, first, order_of(first, first_id)
+        )
+        assert staged.created and row is not None and row["id"] == first_id
+    again = event_of(again_id, "tx-1")
+    async with async_engine.begin() as conn:
+        staged, row = await place_order_tx(
+            conn, writer, statement, again, order_of(again, again_id)
+        )
+        assert not staged.created and row is None and staged.event == first
+    late = event_of(late_id, "tx-2")
+    nothing = sa.text("SELECT 1 AS id WHERE false")
+    async with async_engine.begin() as conn:
+        staged, row = await place_order_tx(conn, writer, nothing, late, order_of(late, late_id))
+        assert staged.created and row is not None and row["id"] == late_id
+    async with async_engine.connect() as conn:
+        placed = await conn.execute(sa.text("SELECT id FROM orders WHERE customer_id = 'c-tx'"))
+        assert set(placed.scalars().all()) == {first_id, late_id}
+        keys = await conn.execute(
+            sa.text("SELECT count(*) FROM outbox WHERE partition_key = 'c-tx'")
+        )
+        assert keys.scalar_one() == 2
 
 
 async def test_database_unreachable_is_503_with_the_retry_hint() -> None:
