@@ -56,11 +56,25 @@ __all__ = [
 #: Connections of an API process to its database, all opened once and kept: no overflow.
 #: Overflow connections are closed when returned, so bursts above the pool size would open
 #: and close a PostgreSQL connection per request (a backend fork: ~2-3 ms of CPU on each
-#: side). A request holds one for ~4 round trips, so 10 cover well over 1,000 requests/s.
+#: side). A request holds one for ~3 round trips, so 10 cover well over 1,000 requests/s.
 POOL_SIZE = 10
 
 #: Seconds a request waits for a free pooled connection before it is answered 503.
 POOL_TIMEOUT_S = 10.0
+
+#: libpq settings of the API's connections (libpq "Parameter Key Words"), as ledgerbox sets
+#: them on its own connections (docs/configuration.md): give up connecting after 5 s, and
+#: notice a server that vanished without closing the connection (a host lost in a failover)
+#: in ~25-40 s through TCP keepalive probes and a user timeout, instead of a request that
+#: waits for an answer that never comes. A slow query is not affected.
+CONNECT_ARGS = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
 
 #: Visible ASCII (0x21..0x7E), 1 to 128 characters: what the IETF draft
 #: "The Idempotency-Key HTTP Header Field" allows in practice for a UUID or similar token.
@@ -234,7 +248,11 @@ def service_app(
         # whole pool (reconnecting on next use) and the request is answered 503 (see
         # _database_unavailable): nothing was committed, the client retries with its key.
         engine = create_async_engine(
-            url, pool_size=POOL_SIZE, max_overflow=0, pool_timeout=POOL_TIMEOUT_S
+            url,
+            pool_size=POOL_SIZE,
+            max_overflow=0,
+            pool_timeout=POOL_TIMEOUT_S,
+            connect_args=CONNECT_ARGS,
         )
         engines.append(engine)
         try:

@@ -780,10 +780,6 @@ class PgRelayStore:
                     **connect_args(self.config.libpq_url),
                     application_name=f"ledgerbox-relay-{self.role}",
                     options=self._options(),
-                    keepalives=1,
-                    keepalives_idle=10,
-                    keepalives_interval=5,
-                    keepalives_count=3,
                 )
                 cur = await conn.execute(SYSTEM_ID)
                 row = await cur.fetchone()

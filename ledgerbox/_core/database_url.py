@@ -42,6 +42,25 @@ _SCHEMES = ("postgresql", "postgres")
 #: connection attempt for the kernel's TCP retries, about two minutes: an operator command
 #: printed nothing for that long, a consumer's transaction waited as long per attempt.
 CONNECT_TIMEOUT_S = 5
+
+#: libpq's TCP settings of every connection ledgerbox opens itself, each unless the URL's
+#: query sets it. A server that vanished without closing its connections (a host lost in a
+#: failover, a NAT or load balancer entry dropped) sends nothing and never will: a consumer
+#: waiting for the answer to a query it sent held its partition for ever (no error, its Kafka
+#: heartbeats kept the partition assigned), a relay until its 60 s statement timeout.
+#: Keepalive probes after 10 s of silence, every 5 s, 3 unanswered: the connection fails in
+#: ~25 s (``OperationalError``, an environment fault: retried on a new connection).
+#: ``tcp_user_timeout`` (ms) bounds the case keepalives do not cover, data sent and never
+#: acknowledged. Neither limits a slow query: the server's kernel acknowledges the request
+#: and answers the probes while the query runs. Source: libpq "Parameter Key Words",
+#: tcp(7) ``TCP_USER_TIMEOUT``.
+TCP_ARGS: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
 _FORM = "postgresql+psycopg://user:password@host:5432/database"
 
 
@@ -156,20 +175,21 @@ def _sqlalchemy_ports(url: str, setting: str) -> list[str]:
 
 def connect_args(url: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The driver arguments ledgerbox adds to a connection of ``url``:
-    ``{"connect_timeout": CONNECT_TIMEOUT_S}``, or nothing when the URL's query or
-    ``PGCONNECT_TIMEOUT`` (in ``environ``, default ``os.environ``) sets the timeout (libpq then
-    reads it). For SQLAlchemy's ``create_engine(url, connect_args=...)`` and psycopg's
+    ``connect_timeout`` (:data:`CONNECT_TIMEOUT_S`) unless the URL's query or
+    ``PGCONNECT_TIMEOUT`` (in ``environ``, default ``os.environ``) sets it (libpq then reads
+    it), and the TCP keepalive and user timeout of :data:`TCP_ARGS`, each unless the URL's
+    query sets it. For SQLAlchemy's ``create_engine(url, connect_args=...)`` and psycopg's
     ``connect(url, **...)``; no I/O."""
     env = os.environ if environ is None else environ
-    if env.get("PGCONNECT_TIMEOUT"):
-        return {}
     try:
         query = urlsplit(libpq_url(url)).query
     except ValueError:
         query = ""
-    if any(key == "connect_timeout" for key, _value in parse_qsl(query)):
-        return {}
-    return {"connect_timeout": CONNECT_TIMEOUT_S}
+    given = {key for key, _value in parse_qsl(query)}
+    args: dict[str, Any] = {k: v for k, v in TCP_ARGS.items() if k not in given}
+    if not env.get("PGCONNECT_TIMEOUT") and "connect_timeout" not in given:
+        args["connect_timeout"] = CONNECT_TIMEOUT_S
+    return args
 
 
 def database_label(url: str) -> str:

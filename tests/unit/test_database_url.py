@@ -108,14 +108,20 @@ def test_an_error_already_explained_by_its_seam_is_kept() -> None:
 
 
 def test_connect_args_bound_every_connection_unless_the_url_or_libpq_environment_does() -> None:
-    from ledgerbox._core.database_url import CONNECT_TIMEOUT_S, connect_args
+    from ledgerbox._core.database_url import CONNECT_TIMEOUT_S, TCP_ARGS, connect_args
 
     url = "postgresql+psycopg://app:pw@db:5432/app"
-    assert connect_args(url, environ={}) == {"connect_timeout": CONNECT_TIMEOUT_S}
-    assert connect_args(url + "?sslmode=require", environ={}) == {
-        "connect_timeout": CONNECT_TIMEOUT_S
-    }
+    timeout = {"connect_timeout": CONNECT_TIMEOUT_S}
+    assert connect_args(url, environ={}) == {**TCP_ARGS, **timeout}
+    assert connect_args(url + "?sslmode=require", environ={}) == {**TCP_ARGS, **timeout}
     # The user's own timeout wins: libpq reads it from the URL or PGCONNECT_TIMEOUT.
-    assert connect_args(url + "?connect_timeout=30", environ={}) == {}
-    assert connect_args(url + "?sslmode=require&connect_timeout=2", environ={}) == {}
-    assert connect_args(url, environ={"PGCONNECT_TIMEOUT": "12"}) == {}
+    assert connect_args(url + "?connect_timeout=30", environ={}) == TCP_ARGS
+    assert connect_args(url + "?sslmode=require&connect_timeout=2", environ={}) == TCP_ARGS
+    assert connect_args(url, environ={"PGCONNECT_TIMEOUT": "12"}) == TCP_ARGS
+    # So do the URL's own TCP settings, each on its own.
+    mine = connect_args(url + "?keepalives_idle=60&tcp_user_timeout=0", environ={})
+    assert mine == {
+        **{k: v for k, v in TCP_ARGS.items() if k not in ("keepalives_idle", "tcp_user_timeout")},
+        **timeout,
+    }
+    assert TCP_ARGS["keepalives"] == 1 and TCP_ARGS["keepalives_idle"] <= 10
