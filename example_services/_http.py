@@ -65,8 +65,9 @@ POOL_TIMEOUT_S = 10.0
 #: libpq settings of the API's connections (libpq "Parameter Key Words"), as ledgerbox sets
 #: them on its own connections (docs/configuration.md): give up connecting after 5 s, and
 #: notice a server that vanished without closing the connection (a host lost in a failover)
-#: in ~25-40 s through TCP keepalive probes and a user timeout, instead of a request that
-#: waits for an answer that never comes. A slow query is not affected.
+#: in ~30-40 s through TCP keepalive probes and a user timeout (these override the URL's own
+#: values), instead of a request that waits for an answer that never comes. A slow query is
+#: not affected.
 CONNECT_ARGS = {
     "connect_timeout": 5,
     "keepalives": 1,

@@ -423,10 +423,22 @@ class OutboxWriter:
             SELECT id FROM placed
 
         ``staged`` has one row when the event is new and none when its idempotency key (or
-        event id) is already in the outbox, exactly as :meth:`stage_once` answers ``created``;
-        make the business write depend on it (``FROM staged``) and, when the statement
-        returns nothing, answer the retried request from :meth:`stage_once` (it returns the
-        stored event). Concurrent twins wait for each other as with :meth:`stage_once`.
+        event id) is already in the outbox, as :meth:`stage_once` answers ``created``
+        (except that an event id stored under another key gives no row rather than
+        :class:`EventIdConflictError`); make the business write depend on it (``FROM
+        staged``). When the statement returns nothing, call :meth:`stage_once`: it returns
+        the stored event to answer the retried request from, raises
+        :class:`EventIdConflictError` for a reused event id, and answers ``created=True``
+        (the event is now written) if the stored row vanished in between (retention
+        cleanup): then do the business write as for a new request. Concurrent twins wait for
+        each other as with :meth:`stage_once` (REPEATABLE READ: SQLSTATE 40001).
+
+        Ordering (docs/outbox.md, "Ordering"): the event's outbox id, the relay's order
+        within a claim, is taken when the statement runs. If the statement also updates an
+        existing aggregate, lock that row in an earlier statement (``SELECT ... FOR
+        UPDATE``), or writers of one aggregate may be published in id order, not commit
+        order. A session's ``schema_translate_map`` does not apply (the table is named as
+        configured in :class:`OutboxTable`).
 
         Guarantee (G1): the row is part of the caller's transaction, like every staged event;
         the relay publishes it after the commit. Events staged with :meth:`stage` on a session

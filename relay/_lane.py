@@ -112,9 +112,9 @@ ID_LIST_BATCHES = 16
 #: Under load a lane persists its cursors at most this often (seconds): the batches in
 #: between are persisted together. A persist is a round trip (~100 us of the relay's CPU on
 #: a small VM): one per batch was a fifth of the relay's CPU at 1,000 events/s. A crash
-#: re-sends at most this much (same event ids). 25 ms -> 100 ms (2026-12-05): relay CPU at
-#: 1,000 events/s 97, 89, 98, 93 -> 86, 87, 89, 92 us per event in alternated 20 s runs
-#: (docs/performance.md, eleventh session).
+#: re-sends about this much plus one persist's duration (same event ids). 25 -> 100 ms
+#: (2026-12-05): relay CPU at 1,000 events/s 97, 89, 98, 93 -> 86, 87, 89, 92 us per event
+#: in alternated 20 s runs (docs/performance.md, eleventh session).
 PERSIST_EVERY_S = 0.1
 
 

@@ -79,7 +79,8 @@ def place_order_statement(writer: OutboxWriter) -> sa.TextClause:
     body = PLACE_ORDER.text.strip()
     head = "WITH placed AS ("
     values = "VALUES (:id, :customer_id, :amount, :currency, :status, 1)"
-    assert body.startswith(head) and values in body, "PLACE_ORDER changed: update this too"
+    if not body.startswith(head) or values not in body:
+        raise RuntimeError("PLACE_ORDER changed: update place_order_statement with it")
     rest = body[len(head) :].replace(
         values, "SELECT :id, :customer_id, :amount, :currency, :status, 1 FROM staged"
     )
@@ -103,8 +104,18 @@ async def place_order_tx(
     -------
     tuple[Staged, RowMapping | None]
         ``(Staged(True, event), the new order's row)`` when the key was new (order, history
-        and event written in one statement), else ``(Staged(False, the event stored under
-        the key), None)``: nothing written, answer from that event's order.
+        and event written: in one statement, or in two when the key's stored row vanished
+        between the statement and ``astage_once``), else ``(Staged(False, the event stored
+        under the key), None)``: nothing written, answer from that event's order.
+
+    Raises
+    ------
+    PayloadTooLargeError, EventValidationError
+        The event cannot be stored; nothing is written.
+    EventIdConflictError
+        The event id is stored under another idempotency key; nothing is written.
+    sqlalchemy.exc.DBAPIError
+        The database failed (the caller's transaction must be rolled back).
     """
     params = {**writer.stage_once_params(event), **order}
     row = (await conn.execute(statement, params)).mappings().first()

@@ -47,13 +47,16 @@ CONNECT_TIMEOUT_S = 5
 #: query sets it. A server that vanished without closing its connections (a host lost in a
 #: failover, a NAT or load balancer entry dropped) sends nothing and never will: a consumer
 #: waiting for the answer to a query it sent held its partition for ever (no error, its Kafka
-#: heartbeats kept the partition assigned), a relay until its 60 s statement timeout.
-#: Keepalive probes after 10 s of silence, every 5 s, 3 unanswered: the connection fails in
-#: ~25 s (``OperationalError``, an environment fault: retried on a new connection).
-#: ``tcp_user_timeout`` (ms) bounds the case keepalives do not cover, data sent and never
-#: acknowledged. Neither limits a slow query: the server's kernel acknowledges the request
-#: and answers the probes while the query runs. Source: libpq "Parameter Key Words",
-#: tcp(7) ``TCP_USER_TIMEOUT``.
+#: heartbeats kept the partition assigned). The relay had keepalives already.
+#: Keepalive probes after 10 s of silence, every 5 s, and ``tcp_user_timeout`` (ms): on
+#: Linux the user timeout then decides when unanswered probes end the connection (tcp(7):
+#: it overrides the probe count), so a silent dead server is noticed after ~30-40 s, and
+#: data sent and never acknowledged after 30 s (``OperationalError``, an environment fault:
+#: retried on a new connection). A slow query is not limited: the server's kernel
+#: acknowledges the request and answers the probes while it runs (a client sending more than
+#: the socket buffers to a server that reads nothing for 30 s would be cut off). Skipped
+#: with a libpq older than 12, which does not know ``tcp_user_timeout``. Source: libpq
+#: "Parameter Key Words", tcp(7).
 TCP_ARGS: dict[str, int] = {
     "keepalives": 1,
     "keepalives_idle": 10,
@@ -173,6 +176,16 @@ def _sqlalchemy_ports(url: str, setting: str) -> list[str]:
     return [] if port is None else [str(port)]
 
 
+def _libpq_version() -> int:
+    """The libpq psycopg runs on (e.g. 170002), 0 when it cannot be told."""
+    try:
+        from psycopg import pq
+
+        return int(pq.version())
+    except Exception:  # an import or binding problem: assume the oldest
+        return 0
+
+
 def connect_args(url: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The driver arguments ledgerbox adds to a connection of ``url``:
     ``connect_timeout`` (:data:`CONNECT_TIMEOUT_S`) unless the URL's query or
@@ -187,6 +200,8 @@ def connect_args(url: str, environ: Mapping[str, str] | None = None) -> dict[str
         query = ""
     given = {key for key, _value in parse_qsl(query)}
     args: dict[str, Any] = {k: v for k, v in TCP_ARGS.items() if k not in given}
+    if _libpq_version() < 120000:
+        args.pop("tcp_user_timeout", None)  # libpq 12 added it; older ones refuse to connect
     if not env.get("PGCONNECT_TIMEOUT") and "connect_timeout" not in given:
         args["connect_timeout"] = CONNECT_TIMEOUT_S
     return args

@@ -1215,3 +1215,25 @@ def test_stage_once_sql_names_a_configured_schema_and_table(
             ).scalar_one()
             == 1
         )
+
+
+def test_stage_once_sql_in_a_cte_wakes_the_waiting_relay_once_after_commit(
+    engine: Engine, database_url: str, orders_tmp: None
+) -> None:
+    """The outbox's NOTIFY trigger fires for the INSERT inside a CTE as for any other: once,
+    at COMMIT, never for a rolled-back statement."""
+    with psycopg.connect(_notify_conninfo(database_url), autocommit=True) as listener:
+        listener.execute(f'LISTEN "{TABLE.notify_channel}"')
+        listener.execute("SELECT pg_advisory_lock(%s, %s)", wake_gate_key(TABLE.notify_channel))
+        with engine.connect() as conn:
+            for i in (1, 2):
+                params = {**WRITER.stage_once_params(_event(90 + i)), "id": i, "amount": 1}
+                assert conn.execute(_place(WRITER), params).first() is not None
+            assert _drain_notifies(listener) == []  # nothing before COMMIT
+            conn.commit()
+        assert _drain_notifies(listener) == [TABLE.notify_channel]
+        with engine.connect() as conn:
+            params = {**WRITER.stage_once_params(_event(93)), "id": 3, "amount": 1}
+            assert conn.execute(_place(WRITER), params).first() is not None
+            conn.rollback()
+        assert _drain_notifies(listener) == []

@@ -124,4 +124,17 @@ def test_connect_args_bound_every_connection_unless_the_url_or_libpq_environment
         **{k: v for k, v in TCP_ARGS.items() if k not in ("keepalives_idle", "tcp_user_timeout")},
         **timeout,
     }
-    assert TCP_ARGS["keepalives"] == 1 and TCP_ARGS["keepalives_idle"] <= 10
+
+
+def test_connect_args_leave_out_tcp_user_timeout_for_a_libpq_older_than_12(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """libpq 11 and older refuse an unknown keyword ("invalid connection option"): every
+    connection would fail."""
+    from ledgerbox._core import database_url as module
+
+    monkeypatch.setattr(module, "_libpq_version", lambda: 110_005)
+    args = module.connect_args("postgresql://db/app", environ={})
+    assert "tcp_user_timeout" not in args and args["keepalives_idle"] == 10
+    monkeypatch.setattr(module, "_libpq_version", lambda: 170_002)
+    assert module.connect_args("postgresql://db/app", environ={})["tcp_user_timeout"] == 30_000
