@@ -11,7 +11,7 @@ import datetime as dt
 import json
 import re
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -464,16 +464,11 @@ class OutboxWriter:
             ``prefix`` is not a valid bind name prefix.
         """
         _check_prefix(prefix)
-        columns = ", ".join(_STAGED_COLUMNS)
-        values = ", ".join(
-            f"CAST(:{prefix}{c} AS jsonb)" if c in ("payload", "headers") else f":{prefix}{c}"
-            for c in _STAGED_COLUMNS
+        insert = _insert_sql(
+            self.table.qualified_name,
+            lambda c: f"CAST(:{prefix}{c} AS jsonb)" if c in _JSON_COLUMNS else f":{prefix}{c}",
         )
-        # names: a validated identifier (OutboxTable), fixed columns, a checked prefix
-        return (
-            f"INSERT INTO {self.table.qualified_name} ({columns}) VALUES ({values})"  # noqa: S608
-            + _ON_CONFLICT_RETURNING
-        )
+        return insert + _ON_CONFLICT_RETURNING
 
     def stage_once_params(self, event: EventEnvelope, *, prefix: str = "outbox_") -> dict[str, Any]:
         """The bind values of :meth:`stage_once_sql` for ``event``: ``{prefix + column: value}``,
@@ -762,11 +757,18 @@ def _psycopg(dialect: sa.Dialect) -> bool:
 
 def _insert_driver_sql(qualified_name: str) -> str:
     """The outbox INSERT in psycopg's ``%(name)s`` style, JSON columns cast from text."""
-    names = ", ".join(_STAGED_COLUMNS)
-    values = ", ".join(
-        f"%({c})s::jsonb" if c in ("payload", "headers") else f"%({c})s" for c in _STAGED_COLUMNS
+    return _insert_sql(
+        qualified_name, lambda c: f"%({c})s::jsonb" if c in _JSON_COLUMNS else f"%({c})s"
     )
-    # names: a validated identifier (OutboxTable) and fixed column names
+
+
+def _insert_sql(qualified_name: str, placeholder: Callable[[str], str]) -> str:
+    """``INSERT INTO <table> (<staged columns>) VALUES (...)`` with ``placeholder(column)``
+    as each value: the one spelling of the outbox INSERT in every bind style."""
+    names = ", ".join(_STAGED_COLUMNS)
+    values = ", ".join(placeholder(c) for c in _STAGED_COLUMNS)
+    # names: a validated identifier (OutboxTable) and fixed column names; the placeholders
+    # are bind markers built from those names (and a checked prefix)
     return f"INSERT INTO {qualified_name} ({names}) VALUES ({values})"  # noqa: S608
 
 
@@ -783,6 +785,9 @@ class _Query:
 
 
 _ON_CONFLICT_RETURNING = " ON CONFLICT DO NOTHING RETURNING id"
+
+#: The staged columns bound as JSON text and cast to ``jsonb`` in SQL.
+_JSON_COLUMNS = ("payload", "headers")
 
 
 #: The columns a writer fills (the keys of ``OutboxWriter._values``); the others have defaults.
@@ -823,12 +828,7 @@ def _insert_once_statement(table: sa.Table, qualified_name: str) -> sa.TextClaus
     .on_conflict_do_nothing()`` (no cache key: ~0.2 ms of CPU per call to recompile); a text
     statement is compiled once."""
     columns = [table.c[name] for name in _STAGED_COLUMNS]
-    names = ", ".join(c.name for c in columns)
-    values = ", ".join(f":{c.name}" for c in columns)
-    statement = sa.text(  # names: validated identifiers (OutboxTable) and fixed column names
-        f"INSERT INTO {qualified_name} ({names}) VALUES ({values})"  # noqa: S608
-        " ON CONFLICT DO NOTHING RETURNING id"
-    )
+    statement = sa.text(_insert_sql(qualified_name, lambda c: f":{c}") + _ON_CONFLICT_RETURNING)
     return statement.bindparams(*(sa.bindparam(c.name, type_=c.type) for c in columns))
 
 
