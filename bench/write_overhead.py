@@ -36,7 +36,12 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
 from bench._common import fresh_database, median, write_result
-from example_services.orders.api import PLACE_ORDER, place_order_statement, place_order_tx
+from example_services.orders.api import (
+    PLACE_ORDER,
+    order_placed,
+    place_order_statement,
+    place_order_tx,
+)
 from ledgerbox.outbox import OutboxWriter, TopicRouter, idempotency_key
 
 TRANSACTIONS = int(os.environ.get("BENCH_WRITE_TRANSACTIONS", "2000"))
@@ -126,20 +131,7 @@ async def _place_order(
         async with engine.begin() as conn:
             (await conn.execute(PLACE_ORDER, order)).mappings().one()
         return
-    event = writer.event(
-        event_type="OrderPlaced",
-        aggregate_type="order",
-        aggregate_id=order_id,
-        aggregate_version=1,
-        partition_key=customer,
-        payload={
-            "order_id": str(order_id),
-            "customer_id": customer,
-            "amount": "10.00",
-            "currency": "EUR",
-        },
-        idempotency_key=idempotency_key("order", customer, order_id.hex),
-    )
+    event = order_placed(writer, order_id, customer, Decimal("10.00"), "EUR", order_id.hex)
     order["event_id"] = event.event_id
     async with engine.begin() as conn:
         placed, row = await place_order_tx(conn, writer, statement, event, order)

@@ -38,6 +38,7 @@ __all__ = [
     "OrderOut",
     "PlaceOrder",
     "create_app",
+    "order_placed",
     "order_writer",
     "place_order_statement",
     "place_order_tx",
@@ -65,6 +66,36 @@ PLACE_ORDER = sa.text(
       FROM placed
     """
 )
+
+
+def order_placed(
+    writer: OutboxWriter,
+    order_id: uuid.UUID,
+    customer_id: str,
+    amount: Decimal,
+    currency: str,
+    request_key: str,
+) -> EventEnvelope:
+    """The ``OrderPlaced`` event of a new order (version 1), keyed by the request's
+    ``Idempotency-Key`` (``request_key``) under the customer: a retried request builds the
+    same idempotency key. Raises ``EventValidationError`` for an invalid field; no I/O."""
+    return writer.event(
+        event_type="OrderPlaced",
+        aggregate_type="order",
+        aggregate_id=order_id,
+        aggregate_version=1,
+        # Partitioned by customer, not by order: the payment consumer debits the customer's
+        # wallet, so all orders of one customer reach it in one partition, in commit order,
+        # and never race each other on the wallet's version.
+        partition_key=customer_id,
+        payload={
+            "order_id": str(order_id),
+            "customer_id": customer_id,
+            "amount": str(amount),
+            "currency": currency,
+        },
+        idempotency_key=idempotency_key("order", customer_id, request_key),
+    )
 
 
 def place_order_statement(writer: OutboxWriter) -> sa.TextClause:
@@ -189,22 +220,8 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     ) -> dict[str, Any]:
         request_key = validate_idempotency_key(key)
         order_id = uuid.uuid4()
-        event = writer.event(
-            event_type="OrderPlaced",
-            aggregate_type="order",
-            aggregate_id=order_id,
-            aggregate_version=1,
-            # Partitioned by customer, not by order: the payment consumer debits the
-            # customer's wallet, so all orders of one customer reach it in one partition, in
-            # commit order, and never race each other on the wallet's version.
-            partition_key=body.customer_id,
-            payload={
-                "order_id": str(order_id),
-                "customer_id": body.customer_id,
-                "amount": str(body.amount),
-                "currency": body.currency,
-            },
-            idempotency_key=idempotency_key("order", body.customer_id, request_key),
+        event = order_placed(
+            writer, order_id, body.customer_id, body.amount, body.currency, request_key
         )
         order = {
             "id": order_id,

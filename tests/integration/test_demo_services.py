@@ -19,9 +19,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from example_services._config import ServiceSettings
 from example_services.orders.api import create_app as order_app
-from example_services.orders.api import order_writer, place_order_statement, place_order_tx
+from example_services.orders.api import (
+    order_placed as placed_event,
+)
+from example_services.orders.api import (
+    order_writer,
+    place_order_statement,
+    place_order_tx,
+)
 from example_services.payments.api import create_app as payment_app
-from ledgerbox.outbox import EventEnvelope, idempotency_key
+from ledgerbox.outbox import EventEnvelope
 
 
 @pytest_asyncio.fixture
@@ -247,13 +254,7 @@ async def test_place_order_tx_answers_a_known_key_and_places_when_the_key_is_new
         }  # fmt: skip
 
     def event_of(order_id: uuid.UUID, key: str) -> EventEnvelope:
-        return writer.event(
-            event_type="OrderPlaced", aggregate_type="order", aggregate_id=order_id,
-            aggregate_version=1, partition_key="c-tx",
-            payload={"order_id": str(order_id), "customer_id": "c-tx", "amount": "3.00",
-                     "currency": "EUR"},
-            idempotency_key=idempotency_key("order", "c-tx", key),
-        )  # fmt: skip
+        return placed_event(writer, order_id, "c-tx", Decimal("3.00"), "EUR", key)
 
     first_id, again_id, late_id = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
     first = event_of(first_id, "tx-1")
