@@ -1,11 +1,19 @@
-"""Several records of one partition in one transaction.
+"""Several records in one transaction.
 
 Runs of up to ``batch_max_records`` parseable records whose handlers are of one kind (async
 or sync) are applied in ONE transaction: one inbox insert for all of them, the handlers of the
-newly inserted events in offset order, one commit (events whose row is DEAD_LETTERED are
+newly inserted events in order, one commit (events whose row is DEAD_LETTERED are
 acknowledged without their handler, C17). Any error rolls the whole run back and its
 records go through the per-message path (:mod:`inbox._message`) one by one, with its retries
 and dead-lettering, so the guarantees are those of one message.
+
+The records may come from several partitions (the runner lends the records waiting on idle
+partitions to the batch a worker starts: docs/inbox.md, "Batching"), each partition's in
+offset order; the caller says so with ``own``. Such a batch never enters the per-message
+path: the first record that would (its run rolled back, or it cannot share a transaction)
+ends the batch as ``Outcome.ABANDONED``, it and every record after it given back to their
+partitions' workers, which then run them each on its own. So a record that fails or
+retries holds up no other partition, and the per-message path sees one partition's records.
 
 Redis on this path (:mod:`inbox._hints`): a run reads the "done" hints only where a duplicate
 is likely (:class:`inbox._hints.HintPolicy`), and the hints of a committed run are written
@@ -56,9 +64,18 @@ class BatchPipeline:
         self.metrics = deps.metrics
 
     async def process(
-        self, records: Sequence[Record], abandon: Callable[[], bool]
+        self,
+        records: Sequence[Record],
+        abandon: Callable[[], bool],
+        own: tuple[str, int] | None = None,
     ) -> list[Outcome]:
-        """Run the pipeline for consecutive records of ONE partition, in order.
+        """Run the pipeline for records in order (each partition's consecutive, in offset
+        order; several partitions only with ``own``).
+
+        ``own``: (topic, partition) of the worker running a batch that holds records of
+        other partitions too: the first record not applied in a committed run ends it
+        (module docstring). ``None``: the records of one partition, with the per-message
+        path for those that need it.
 
         Returns one outcome per record, in order; it stops after the first ``ABANDONED``.
         """
@@ -77,9 +94,12 @@ class BatchPipeline:
                 run = await self._apply(records[i:j], events, registered)
             if run is not None:
                 outcomes.extend(run)
-                self._observe(records[j - 1], run)
+                self._observe(records[i:j], run)
                 i = j
                 continue
+            if own is not None:  # given back: each partition runs its own (docstring)
+                outcomes.append(Outcome.ABANDONED)
+                return outcomes
             for k in range(i, max(j, i + 1)):
                 if abandon():
                     outcomes.append(Outcome.ABANDONED)
@@ -88,13 +108,30 @@ class BatchPipeline:
                 outcomes.append(outcome)
                 if outcome is Outcome.ABANDONED:
                     return outcomes
-                self._observe(records[k], [outcome])
+                self._observe([records[k]], [outcome])
             i = max(j, i + 1)
         return outcomes
 
-    def _observe(self, last: Record, outcomes: Sequence[Outcome]) -> None:
-        duplicate = any(outcome in _SEEN for outcome in outcomes)
-        self.deps.hint_policy.observe(last.topic, last.partition, last.offset, duplicate)
+    def _observe(self, records: Sequence[Record], outcomes: Sequence[Outcome]) -> None:
+        # Per partition: its last offset here and whether any of its records was a duplicate.
+        last: dict[tuple[str, int], tuple[int, bool]] = {}
+        for record, outcome in zip(records, outcomes, strict=False):
+            tp = (record.topic, record.partition)
+            seen = last.get(tp, (0, False))[1] or outcome in _SEEN
+            last[tp] = (record.offset, seen)
+        for (topic, partition), (offset, duplicate) in last.items():
+            self.deps.hint_policy.observe(topic, partition, offset, duplicate)
+
+    def _consult(self, records: Sequence[Record]) -> bool:
+        # Ask Redis when the hint policy says so for any partition of the run (its first record).
+        policy, asked = self.deps.hint_policy, set()
+        for record in records:
+            tp = (record.topic, record.partition)
+            if tp not in asked:
+                asked.add(tp)
+                if policy.consult(record.topic, record.partition, record.offset):
+                    return True
+        return False
 
     def _batchable_run(
         self, parsed: Sequence[Parsed], start: int, records: Sequence[Record]
@@ -124,10 +161,7 @@ class BatchPipeline:
         group, dedup, metrics = deps.group_id, deps.dedup, self.metrics
         ids = [e.event_id for e in events]
         done: set[uuid.UUID] = set()
-        first = records[0]
-        if dedup is not None and self.deps.hint_policy.consult(
-            first.topic, first.partition, first.offset
-        ):
+        if dedup is not None and self._consult(records):
             done = await deps.gate.call(lambda: dedup.done_among(group, ids), set())
         outcomes: list[Outcome] = [Outcome.DUPLICATE] * len(events)
         todo: list[tuple[int, EventEnvelope, Record]] = []

@@ -126,6 +126,14 @@ class ConsumerConfig:
         error rolls the batch back and its records are reprocessed one by one, with the
         usual retries and dead-lettering. 1 disables batching; it is also off with
         ``lock_aggregates`` (locks are per message).
+    batch_across_partitions : bool
+        A worker that starts a batch with room left takes in the records waiting on this
+        consumer's idle partitions, each partition's in offset order (default True): under
+        load one transaction instead of one per partition (measured: ~20% less consumer CPU
+        and ~9% less PostgreSQL CPU at 1,000 events/s on 3 partitions; docs/inbox.md,
+        "Batching"). A batch that rolls back, or a record that needs the per-message path,
+        gives the other partitions' records back: each partition then runs its own, so a
+        failing record holds up only its partition. False: one partition per transaction.
     assignment : Sequence[tuple[str, int]] | None
         Manual partition assignment (no group rebalancing) instead of subscribing to
         ``topics``; offsets are still committed to ``group_id``.
@@ -180,6 +188,7 @@ class ConsumerConfig:
     commit_interval_ms: int = 200
     max_buffered_records: int = 1000
     batch_max_records: int = 100
+    batch_across_partitions: bool = True
     assignment: Sequence[tuple[str, int]] | None = None
     client_id: str | None = None
     redis_key_prefix: str = "ledgerbox:"
@@ -222,6 +231,11 @@ class ConsumerConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {value}")
+        if not isinstance(self.batch_across_partitions, bool):
+            raise ConfigurationError(
+                "batch_across_partitions must be True or False,"
+                f" got {self.batch_across_partitions!r}"
+            )
         # Every duration: finite, in its range (inf/nan parse as floats; a huge one overflows
         # the intervals PostgreSQL adds to now() and Redis' TTLs).
         for name in (

@@ -409,7 +409,7 @@ class InboxConsumer:
             await self._until_ready()
             if self._stop_requested:
                 return
-            runner = KafkaRunner(self._deps, self.process_batch)
+            runner = KafkaRunner(self._deps, self._batches.process)
             self._runner, self._kafka_grace = runner, runner.kafka_grace
             if self._stop_requested:
                 runner.stop()

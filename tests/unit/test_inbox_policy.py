@@ -269,6 +269,7 @@ def test_config_defaults_and_validation() -> None:
     assert config.dead_letter_topic_for("a") == "a.dlq"
     assert config.retention_s == 7 * 24 * 3600 and config.max_attempts == 5
     assert config.effective_lock_wait_ms == config.lock_ttl_ms
+    assert config.batch_max_records == 100 and config.batch_across_partitions is True
     with pytest.raises(inbox.InboxError.__mro__[1]):  # outbox.LedgerboxError
         ConsumerConfig(
             group_id="g",
@@ -282,6 +283,7 @@ def test_config_defaults_and_validation() -> None:
         {"lock_ttl_ms": 0},
         {"topics": "a"},
         {"lock_aggregates": True},
+        {"batch_across_partitions": "no"},
     ):
         with pytest.raises(ValueError):
             ConsumerConfig(
