@@ -8,12 +8,16 @@ records go through the per-message path (:mod:`inbox._message`) one by one, with
 and dead-lettering, so the guarantees are those of one message.
 
 The records may come from several partitions (the runner lends the records waiting on idle
-partitions to the batch a worker starts: docs/inbox.md, "Batching"), each partition's in
+partitions to the batch a worker starts: docs/inbox.md, "Across partitions"), each partition's in
 offset order; the caller says so with ``own``. Such a batch never enters the per-message
 path: the first record that would (its run rolled back, or it cannot share a transaction)
 ends the batch as ``Outcome.ABANDONED``, it and every record after it given back to their
 partitions' workers, which then run them each on its own. So a record that fails or
 retries holds up no other partition, and the per-message path sees one partition's records.
+(A lone event with a handler still goes through a transaction of its own here; what cannot
+share one at all - a record that does not parse, an event type without a handler, an
+operator's replay - ends the batch.) ``own`` is the partition of the worker running the
+batch; only whether it is given matters here.
 
 Redis on this path (:mod:`inbox._hints`): a run reads the "done" hints only where a duplicate
 is likely (:class:`inbox._hints.HintPolicy`), and the hints of a committed run are written
@@ -89,9 +93,11 @@ class BatchPipeline:
                 return outcomes
             j, registered = self._batchable_run(parsed, i, records)
             run: list[Outcome] | None = None
-            if j - i >= 2 and registered is not None:
+            # A lone event runs alone on the per-message path, except in a batch holding
+            # other partitions' records: that one never enters it (module docstring).
+            if registered is not None and (j - i >= 2 or own is not None):
                 events = [p for p in parsed[i:j] if isinstance(p, EventEnvelope)]
-                run = await self._apply(records[i:j], events, registered)
+                run = await self._apply(records[i:j], events, registered, own is not None)
             if run is not None:
                 outcomes.extend(run)
                 self._observe(records[i:j], run)
@@ -155,7 +161,11 @@ class BatchPipeline:
         return end, kind
 
     async def _apply(
-        self, records: Sequence[Record], events: list[EventEnvelope], kind: Registered
+        self,
+        records: Sequence[Record],
+        events: list[EventEnvelope],
+        kind: Registered,
+        lending: bool = False,
     ) -> list[Outcome] | None:
         deps = self.deps
         group, dedup, metrics = deps.group_id, deps.dedup, self.metrics
@@ -213,7 +223,10 @@ class BatchPipeline:
             await tx.commit()
         except Exception as exc:
             _log.info(
-                "batch of %d records rolled back, reprocessing one by one: %r", len(todo), exc
+                "batch of %d records rolled back, reprocessing %s: %r",
+                len(todo),
+                "each partition's alone" if lending else "one by one",
+                exc,
             )
             return None
         finally:

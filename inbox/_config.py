@@ -131,7 +131,7 @@ class ConsumerConfig:
         consumer's idle partitions, each partition's in offset order (default True): under
         load one transaction instead of one per partition (measured: ~20% less consumer CPU
         and ~9% less PostgreSQL CPU at 1,000 events/s on 3 partitions; docs/inbox.md,
-        "Batching"). A batch that rolls back, or a record that needs the per-message path,
+        "Across partitions"). A batch that rolls back, or a record that needs the per-message path,
         gives the other partitions' records back: each partition then runs its own, so a
         failing record holds up only its partition. False: one partition per transaction.
     assignment : Sequence[tuple[str, int]] | None

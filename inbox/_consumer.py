@@ -1,11 +1,11 @@
 """The inbox consumer: Kafka records in, one committed effect per (group, event id) out.
 
 This module holds the public :class:`InboxConsumer` (registration, resources, retention, the
-Kafka loop). The steps for one record are in :mod:`inbox._message`, several records of a
-partition in one transaction in :mod:`inbox._batch`, poison records in
-:mod:`inbox._deadletterer`, the Kafka side (partition workers, offsets) in :mod:`inbox._runner`.
-The consumer builds what the steps use once, as a :class:`inbox._deps.PipelineDeps`; no step
-sees the consumer itself.
+Kafka loop). The steps for one record are in :mod:`inbox._message`, several records (of one
+partition, or of several lent to one batch) in one transaction in :mod:`inbox._batch`,
+poison records in :mod:`inbox._deadletterer`, the Kafka side (partition workers, offsets) in
+:mod:`inbox._runner`. The consumer builds what the steps use once, as a
+:class:`inbox._deps.PipelineDeps`; no step sees the consumer itself.
 
 Offsets are committed only for records that finished (applied, duplicate, ignored) or were
 dead-lettered. Partitions run concurrently (one task each), records of one partition strictly

@@ -7,18 +7,20 @@ Offsets: a partition worker advances its position only past records whose pipeli
 whose processing was abandoned (revoked mid-retry) is not committed: the next owner reads it
 again and the inbox recognises it if its effect had committed.
 
-Batches across partitions (``ConsumerConfig.batch_across_partitions``, default on; docs/inbox.md,
-"Batching"): a worker that starts a batch with room left (``batch_max_records``) takes in the
-records waiting on idle workers of this consumer, each partition's in offset order after its
-own, and runs them in ONE call of the batched pipeline. A lent worker waits until its
-records come back: the applied ones move its position; the first record not applied in a
-committed run ends the batch, and it and every record after it go back to the front of their
-partitions' queues, each worker then running its own in a batch neither lent nor lending.
-So a partition's records are never in two batches at once, a failing or retrying record
-holds up only its own partition, and a revoke (``aclose``) of a lent partition waits for the
+Batches across partitions (``ConsumerConfig.batch_across_partitions``, default on;
+docs/inbox.md, "Across partitions"): a worker that starts a batch with room left
+(``batch_max_records``) takes in the records waiting on idle workers of this consumer, each
+partition's in offset order after its own, and runs them in ONE call of the batched
+pipeline. A lent worker waits until its records come back: the applied ones move its
+position; where a run rolls back (or a record cannot share a transaction) the batch ends,
+and the records from there on go back to the front of their partitions' queues, each worker
+then running its own in a batch neither lent nor lending. So a partition's records are
+never in two batches at once, a failing or retrying record holds up only its own partition
+(a slow one holds up its batch), and a revoke (``aclose``) of a lent partition waits for the
 batch holding its records, so their positions are committed before the partition moves.
-Why: at 1,000 events/s spread over 3 partitions each relay batch reached the consumer as
-three small transactions; one instead cut the consumer's CPU by ~20% and PostgreSQL's by ~9%
+Off with ``lock_aggregates`` (every run is one record) and ``batch_max_records=1``. Why: at
+1,000 events/s spread over 3 partitions each relay batch reached the consumer as three small
+transactions; one instead cut the consumer's CPU by ~20% and PostgreSQL's by ~9%
 (docs/performance.md, "Measured in the twelfth session").
 
 Stop (docs/operations.md, "Stopping a daemon"): fetching stops, the in-flight records finish
@@ -199,6 +201,18 @@ class KafkaRunner:
         # partition, and the current bound (FETCH_STALL_S, doubled per stall replacement).
         self._polled: dict[TopicPartition, tuple[int, float]] = {}
         self._stall_bound_s = FETCH_STALL_S
+
+    @property
+    def lending(self) -> bool:
+        """Batches take in other partitions' records (module docstring): configured, room
+        for more than one record, and no per-message aggregate lock (it makes every run
+        one record: nothing to share)."""
+        config = self.config
+        return (
+            config.batch_across_partitions
+            and config.batch_max_records > 1
+            and getattr(self.deps, "lock", None) is None
+        )
 
     def stop(self) -> None:
         """Finish: stop fetching, let in-flight records complete, commit, leave the group."""
@@ -533,16 +547,18 @@ async def _close_by_hand(kafka: AIOKafkaConsumer) -> None:
 
 
 class _PartitionWorker:
-    """Processes one partition's records strictly in order.
+    """Processes one partition's records strictly in order (and, lending, the records of
+        idle partitions in the same batch).
 
-    Lending (module docstring, "Batches across partitions"): a worker that starts a batch
-    with room left takes the records waiting on idle partitions into the same batch. A lent
-    worker does not process until its records come back: applied, its position moves; not
-    applied (given back), they return to the front of its queue and it runs them in a batch
-    of its own, neither lent nor lending, as does the worker that gave them back. So one
-    partition's records are never in two batches at once, a failing record holds up only
-    its own partition, and a closing worker waits for its lent records: a revoke commits
-    their positions before the partition goes to another consumer.
+        Lending (module docstring, "Batches across partitions"): a worker that starts a batch
+        with room left takes the records waiting on idle partitions into the same batch. A lent
+        worker does not process until its records come back: applied, its position moves; not
+        applied (given back), they return to the front of its queue and it runs them in a batch
+        of its own, neither lent nor lending (so does the worker running the batch when some of its
+    own records came back). So one
+        partition's records are never in two batches at once, a failing record holds up only
+        its own partition, and a closing worker waits for its lent records: a revoke commits
+        their positions before the partition goes to another consumer.
     """
 
     def __init__(self, runner: KafkaRunner, tp: TopicPartition) -> None:
@@ -593,7 +609,7 @@ class _PartitionWorker:
             solo, self.solo = self.solo, False
             records = self._take(limit)
             parts = {(self.tp.topic, self.tp.partition): self}
-            if runner.config.batch_across_partitions and limit > 1 and not solo:
+            if runner.lending and not solo:
                 for other in list(runner.workers.values()):
                     if len(records) >= limit:
                         break
@@ -612,15 +628,24 @@ class _PartitionWorker:
                 self._give_back(parts, records)
                 raise
             done = 0
-            for record, outcome in zip(records, outcomes, strict=False):
-                if outcome is Outcome.ABANDONED:
-                    break
-                parts[(record.topic, record.partition)].position = record.offset + 1
-                done += 1
-            self._give_back(parts, records[done:])
+            try:
+                if len(outcomes) < len(records) and (
+                    not outcomes or outcomes[-1] is not Outcome.ABANDONED
+                ):
+                    raise RuntimeError(
+                        f"the batched pipeline returned {len(outcomes)} outcomes for"
+                        f" {len(records)} records without ABANDONED"
+                    )
+                for record, outcome in zip(records, outcomes, strict=False):
+                    if outcome is Outcome.ABANDONED:
+                        break
+                    parts[(record.topic, record.partition)].position = record.offset + 1
+                    done += 1
+            finally:
+                self._give_back(parts, records[done:])
+            runner.commit_wanted.set()  # also the lent partitions' positions when closing
             if self.closing:
                 return
-            runner.commit_wanted.set()
 
     def _give_back(self, parts: dict[tuple[str, int], _PartitionWorker], rest: list[Any]) -> None:
         # The batch is over: the records not applied go back to the front of their

@@ -1,4 +1,4 @@
-"""Batches across partitions (docs/inbox.md, "Batching") against real Kafka and PostgreSQL:
+"""Batches across partitions (docs/inbox.md, "Across partitions") against real Kafka and PostgreSQL:
 records waiting on several partitions share one transaction, each partition's in offset
 order, every event applied once; a record that keeps failing holds up only its partition."""
 
@@ -168,3 +168,49 @@ async def test_a_record_that_keeps_failing_holds_up_only_its_partition(
         consumer.stop()
         await asyncio.wait_for(task, 60)
     check_once_in_order(applied(engine, group), 10)
+
+
+async def test_a_lone_event_in_a_lent_batch_is_applied_not_given_back(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """A run of one event (here: its handler is async, the next records' sync) in a batch
+    holding two partitions' records gets its own transaction there, like any run; only what
+    cannot share a transaction at all ends the batch (a record that does not parse)."""
+    from sqlalchemy.orm import Session
+
+    from ledgerbox.inbox import Outcome
+    from ledgerbox.inbox.testing import FakeRecord, record_for
+
+    group = f"lend-lone-{uuid.uuid4().hex[:8]}"
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=["orders"],
+            database_url=database_url,
+            kafka_bootstrap_servers=kafka_bootstrap,
+        )
+    )
+    ran: list[str] = []
+
+    @consumer.handler("OrderPlaced")
+    async def placed(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        ran.append(event.payload["order_id"])
+
+    @consumer.handler("OrderShipped")
+    def shipped(ctx: HandlerContext[Session], event: EventEnvelope) -> None:
+        ran.append(event.payload["order_id"])
+
+    lone = record_for(order_event("orders", "own"), partition=0, offset=0)
+    lent = [
+        record_for(order_event("orders", f"lent{i}", kind="OrderShipped"), partition=1, offset=i)
+        for i in range(2)
+    ]
+    garbage = FakeRecord("orders", 1, 2, b"k", b"\xff", ())
+    try:
+        outcomes = await consumer._batches.process(
+            [lone, *lent, garbage], lambda: False, ("orders", 0)
+        )
+    finally:
+        await consumer.aclose()
+    assert outcomes == [Outcome.APPLIED] * 3 + [Outcome.ABANDONED]
+    assert ran == ["own", "lent0", "lent1"]

@@ -1,5 +1,5 @@
-"""Batches across partitions (``inbox._runner._PartitionWorker``, docs/inbox.md "Batching"):
-the partition workers' lending, over a scripted stand-in for the batched pipeline (no
+"""Batches across partitions (``inbox._runner._PartitionWorker``; docs/inbox.md, "Across
+partitions"): the partition workers' lending, over a scripted stand-in for the batched pipeline (no
 database, no Kafka: the pipeline's own behaviour is tested against real services in
 tests/integration/test_inbox_lending.py)."""
 
@@ -201,3 +201,49 @@ async def test_a_pipeline_error_gives_every_lent_record_back() -> None:
     assert runner.workers[TPS[0]].task.done()
     assert isinstance(runner.workers[TPS[0]].task.exception(), RuntimeError)
     assert [runner.workers[tp].position for tp in TPS[1:]] == [2, 2]
+
+
+async def test_no_lending_with_per_message_locks() -> None:
+    """With ``lock_aggregates`` every run is one record: a lent batch could share nothing."""
+    pipeline = Pipeline()
+    runner = runner_with(pipeline)
+    runner.deps = SimpleNamespace(config=runner.config, lock=object())  # type: ignore[assignment]
+    for p in range(3):
+        runner.workers[TPS[p]].feed(records(p, 0, 2))
+    await settle(runner)
+    assert all(len(partitions_of(c)) == 1 and c[1] is None for c in pipeline.calls)
+    await close(runner)
+
+
+async def test_a_closing_lender_still_asks_for_the_lent_positions_to_be_committed() -> None:
+    pipeline = Pipeline()
+    runner = runner_with(pipeline)
+    pipeline.gate.clear()
+    for p in range(2):
+        runner.workers[TPS[p]].feed(records(p, 0, 2))
+    await pipeline.entered.wait()
+    lender = runner.workers[TPS[0]]
+    closing = asyncio.create_task(lender.aclose())
+    await asyncio.sleep(0)
+    runner.commit_wanted.clear()
+    pipeline.gate.set()
+    await asyncio.wait_for(closing, 5)
+    assert runner.workers[TPS[1]].position == 2
+    assert runner.commit_wanted.is_set(), "the lent partition's new position gets committed"
+    await close(runner)
+
+
+async def test_a_short_outcome_list_is_a_bug_surfaced_not_a_loop() -> None:
+    """Fewer outcomes than records without ABANDONED breaks the pipeline's contract: the
+    worker fails (the fetch loop surfaces it) and the lent records go back, not round."""
+    pipeline = Pipeline()
+    runner = runner_with(pipeline)
+    pipeline.script = lambda batch, own: (
+        [Outcome.APPLIED] if own is not None else [Outcome.APPLIED] * len(batch)
+    )
+    for p in range(2):
+        runner.workers[TPS[p]].feed(records(p, 0, 2))
+    await settle(runner)
+    lender = runner.workers[TPS[0]]
+    assert lender.task.done() and isinstance(lender.task.exception(), RuntimeError)
+    assert runner.workers[TPS[1]].position == 2
