@@ -200,6 +200,7 @@ class BatchPipeline:
                         outcome = delivery_outcome(found.get(event.event_id))
                         if outcome is Outcome.ALREADY_DEAD_LETTERED:
                             outcomes[k] = outcome
+            batch = tuple(event for _k, event, _r in todo if event.event_id in claimed)
             for k, event, record in todo:
                 if event.event_id not in claimed:
                     continue
@@ -211,6 +212,7 @@ class BatchPipeline:
                     partition=record.partition,
                     offset=record.offset,
                     timestamp_ms=record_timestamp_ms(record),
+                    batch=batch,
                 )
                 # The record's consumer span covers its handler; the run shares one
                 # transaction (a rolled-back run goes through the per-message path, where

@@ -8,6 +8,8 @@ from typing import Generic, TypeVar
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
+from ledgerbox.outbox import EventEnvelope
+
 __all__ = ["HandlerContext"]
 
 S = TypeVar("S", Session, AsyncSession)
@@ -38,6 +40,18 @@ class HandlerContext(Generic[S]):
         Token of the per-aggregate lock held for this attempt (grows with every acquisition
         of that aggregate's lock); ``None`` when locking is off or Redis is unreachable.
         Guard writes with :func:`inbox.fenced_update` (``WHERE fence < :token``).
+    batch : tuple[EventEnvelope, ...]
+        The events whose handlers run in this transaction, in the order they run, this one
+        among them: ``(event,)`` on the per-message path, up to ``batch_max_records`` events
+        (of any types, several partitions' with ``batch_across_partitions``) in a batch.
+        For reading ahead: the first handler of a batch can read the rows of all of them in
+        one statement (``WHERE id = ANY(:ids)``) and keep them in ``session.info`` (a new
+        session per transaction, so nothing outlives it), the next ones use them, each
+        writing only for its own event, with its optimistic version (G5): a row another
+        transaction changed since the read is then a version conflict, the batch rolls back
+        and its events run again with a fresh read (in the end one per transaction, each
+        with ``batch == (event,)``; docs/inbox.md, "Reading ahead for a batch"). The
+        example services do this.
     """
 
     session: S
@@ -51,3 +65,5 @@ class HandlerContext(Generic[S]):
     """True once a renewal found the lock taken by someone else (writes should be fenced)."""
     timestamp_ms: int | None = None
     """The Kafka record's timestamp in ms since the epoch (see the class docstring)."""
+    batch: tuple[EventEnvelope, ...] = ()
+    """The events whose handlers run in this transaction (see the class docstring)."""

@@ -332,6 +332,7 @@ class MessagePipeline:
                 offset=record.offset,
                 timestamp_ms=record_timestamp_ms(record),
                 fencing_token=lease.fencing_token if lease else None,
+                batch=(event,),
             )
             if lease is not None:
                 renewer = asyncio.create_task(self._renew(lease, ctx))

@@ -39,7 +39,7 @@ def create_consumer(settings: ServiceSettings | None = None) -> InboxConsumer:
     )
 
     async def on_payment_result(ctx: HandlerContext[Any], event: EventEnvelope) -> None:
-        await apply_payment_result(ctx.session, event)
+        await apply_payment_result(ctx.session, event, ctx.batch)
 
     for event_type in PAYMENT_RESULTS:
         consumer.register(event_type, on_payment_result)

@@ -9,6 +9,8 @@ row and the ``PaymentSucceeded`` / ``PaymentFailed`` event commit with the inbox
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from decimal import Decimal
 
 import sqlalchemy as sa
@@ -21,7 +23,7 @@ from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter, idempoten
 __all__ = [
     "DEBIT_AND_RECORD",
     "INSERT_PAYMENT",
-    "READ_PAYMENT_AND_WALLET",
+    "READ_AHEAD",
     "SOURCE",
     "decide",
     "pay_order",
@@ -30,14 +32,18 @@ __all__ = [
 
 SOURCE = "/payment-service"
 
-#: The order's payment id (``NULL``: not paid yet) and the customer's wallet (``NULL``s: no
-#: wallet) in ONE round trip instead of two. Parameters: ``order_id``, ``customer_id``.
-READ_PAYMENT_AND_WALLET = sa.text(
+#: For every order of a batch its payment, if any, and for every customer its wallet, in ONE
+#: round trip (read ahead, docs/inbox.md "Reading ahead for a batch"). Parameters:
+#: ``order_ids`` (uuids), ``customer_ids`` (texts). Rows: ``('payment', order id, NULL,
+#: NULL)`` per order already paid, ``('wallet', customer id, balance, version)`` per wallet.
+READ_AHEAD = sa.text(
     """
-    SELECT (SELECT p.id FROM payments AS p WHERE p.order_id = :order_id) AS payment_id,
-           w.balance, w.version
-      FROM (SELECT 1) AS one
-      LEFT JOIN wallets AS w ON w.customer_id = :customer_id
+    SELECT 'payment' AS kind, p.order_id::text AS key, NULL::numeric AS balance,
+           NULL::integer AS version
+      FROM payments AS p WHERE p.order_id = ANY(:order_ids)
+    UNION ALL
+    SELECT 'wallet', w.customer_id, w.balance, w.version
+      FROM wallets AS w WHERE w.customer_id = ANY(:customer_ids)
     """
 )
 
@@ -71,6 +77,51 @@ DEBIT_AND_RECORD = sa.text(
 )
 
 
+@dataclass
+class _ReadAhead:
+    """What this transaction knows: orders read (and which of them are paid), wallets read
+    (customer -> (balance, version), ``None``: no wallet), kept up to date by its writes."""
+
+    orders: set[uuid.UUID] = field(default_factory=set)
+    paid: set[uuid.UUID] = field(default_factory=set)
+    wallets: dict[str, tuple[Decimal, int] | None] = field(default_factory=dict)
+
+
+#: ``session.info`` key of the transaction's :class:`_ReadAhead`.
+_READ = "example_services.payments.read_ahead"
+
+
+async def _read_ahead(
+    session: AsyncSession, order_id: uuid.UUID, customer_id: str, batch: Sequence[EventEnvelope]
+) -> _ReadAhead:
+    read: _ReadAhead = session.info.setdefault(_READ, _ReadAhead())
+    if order_id in read.orders and customer_id in read.wallets:
+        return read
+    order_ids, customer_ids = {order_id}, {customer_id}
+    for event in batch:
+        if event.event_type == "OrderPlaced":
+            try:
+                order_ids.add(uuid.UUID(str(event.payload["order_id"])))
+                customer_ids.add(str(event.payload["customer_id"]))
+            except (KeyError, ValueError):
+                continue  # its own handler call reports it
+    order_ids -= read.orders
+    customer_ids -= read.wallets.keys()
+    rows = (
+        await session.execute(
+            READ_AHEAD, {"order_ids": list(order_ids), "customer_ids": list(customer_ids)}
+        )
+    ).all()
+    read.orders |= order_ids
+    read.wallets.update(dict.fromkeys(customer_ids))
+    for row in rows:
+        if row.kind == "payment":
+            read.paid.add(uuid.UUID(row.key))
+        else:
+            read.wallets[row.key] = (Decimal(row.balance), int(row.version))
+    return read
+
+
 def payment_writer(payments_topic: str) -> OutboxWriter:
     """The payment service's outbox writer (payment results -> ``payments_topic``)."""
     return OutboxWriter(
@@ -91,9 +142,17 @@ def decide(balance: Decimal | None, amount: Decimal) -> tuple[PaymentStatus, str
 
 
 async def pay_order(
-    session: AsyncSession, event: EventEnvelope, writer: OutboxWriter
+    session: AsyncSession,
+    event: EventEnvelope,
+    writer: OutboxWriter,
+    batch: Sequence[EventEnvelope] = (),
 ) -> PaymentStatus | None:
     """Debit the wallet for one ``OrderPlaced``, record the payment, stage its result event.
+
+    ``batch``: the events whose handlers run in this transaction (``HandlerContext.batch``):
+    the payments and wallets of all of them are read in one statement at the first call;
+    later calls use what this transaction read and wrote (several orders of one customer
+    debit the wallet one after another, each with the version the previous one left).
 
     Returns
     -------
@@ -108,14 +167,11 @@ async def pay_order(
     order_id = uuid.UUID(str(event.payload["order_id"]))
     customer_id = str(event.payload["customer_id"])
     amount = Decimal(str(event.payload["amount"]))
-    read = (
-        await session.execute(
-            READ_PAYMENT_AND_WALLET, {"order_id": order_id, "customer_id": customer_id}
-        )
-    ).one()
-    if read.payment_id is not None:
+    read = await _read_ahead(session, order_id, customer_id, batch)
+    if order_id in read.paid:
         return None
-    balance = None if read.version is None else Decimal(read.balance)
+    wallet = read.wallets[customer_id]
+    balance = None if wallet is None else wallet[0]
     status, reason = decide(balance, amount)
     payment_id = uuid.uuid4()
     row = {
@@ -126,17 +182,19 @@ async def pay_order(
         "status": status.value,
         "event_id": event.event_id,
     }
-    if status is PaymentStatus.SUCCEEDED and balance is not None:
-        version = int(read.version)
+    if status is PaymentStatus.SUCCEEDED and wallet is not None:
+        version = wallet[1]
         debited = (
             await session.execute(
-                DEBIT_AND_RECORD, {**row, "version": version, "balance_after": balance - amount}
+                DEBIT_AND_RECORD, {**row, "version": version, "balance_after": wallet[0] - amount}
             )
         ).first()
         if debited is None:
             raise VersionConflictError(wallets.name, {"customer_id": customer_id}, version)
+        read.wallets[customer_id] = (wallet[0] - amount, version + 1)
     else:
         await session.execute(INSERT_PAYMENT, {**row, "reason": reason, "balance_after": balance})
+    read.paid.add(order_id)
     # ``stage`` only adds the outbox row to the session (no I/O); it is inserted at the
     # commit's flush. The statements above are Core and text, which never autoflush, so the
     # rows staged by a whole batch of events go out in ONE multi-row INSERT at commit. (An

@@ -43,7 +43,7 @@ def create_consumer(settings: ServiceSettings | None = None) -> InboxConsumer:
 
     @consumer.handler("OrderPlaced")
     async def on_order_placed(ctx: HandlerContext[Any], event: EventEnvelope) -> None:
-        await pay_order(ctx.session, event, writer)
+        await pay_order(ctx.session, event, writer, ctx.batch)
 
     return consumer
 

@@ -328,7 +328,7 @@ def order_placed(customer: str, amount: str, order_id: uuid.UUID | None = None) 
     )
 
 
-async def test_pay_order_batch_debits_once_each_and_stages_results_in_one_insert(
+async def test_pay_order_batch_reads_ahead_once_debits_each_and_stages_results_in_one_insert(
     payments: httpx.AsyncClient, payment_tables: str, engine: Engine
 ) -> None:
     from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
@@ -347,16 +347,23 @@ async def test_pay_order_batch_debits_once_each_and_stages_results_in_one_insert
     writer = payment_writer("t.payments")
     events = [order_placed(customer, "5.00") for _ in range(3)] + [order_placed(customer, "9.00")]
     outbox_inserts: list[str] = []
+    reads: list[str] = []
     async_engine = create_async_engine(payment_tables)
 
     def note(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         if statement.lstrip().upper().startswith("INSERT INTO OUTBOX"):
             outbox_inserts.append(statement)
+        if statement.lstrip().upper().startswith("SELECT"):
+            reads.append(statement)
 
     sa.event.listen(async_engine.sync_engine, "before_cursor_execute", note)
     try:
         async with AsyncSession(async_engine) as session, session.begin():
-            outcomes = [await pay_order(session, event, writer) for event in events]
+            # As the consumer calls it: each event with the batch it is part of.
+            outcomes = [await pay_order(session, event, writer, events) for event in events]
+        # The payments and the wallet of all four orders: ONE read, at the first call; each
+        # debit then used the balance and version the one before it left.
+        assert len(reads) == 1, reads
         # A second delivery of the first order under a new event id: nothing is written.
         again = order_placed(customer, "5.00", uuid.UUID(events[0].payload["order_id"]))
         async with AsyncSession(async_engine) as session, session.begin():
@@ -496,6 +503,54 @@ async def test_payment_result_on_an_order_changed_since_read_is_a_version_confli
             {"id": order_id},
         ).scalar_one()
     assert entries == 1  # OrderPlaced only: the losing attempt wrote no history
+
+
+async def test_payment_results_of_a_batch_read_their_orders_once(
+    orders: httpx.AsyncClient, database_url: str
+) -> None:
+    """The order consumer's read ahead (``ctx.batch``): one statement reads every order of
+    the batch; a second result for an order the batch already moved sees the new state."""
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from example_services.orders._handlers import Applied, apply_payment_result
+
+    ids = []
+    for n in range(2):
+        placed = await orders.post(
+            "/orders",
+            json={"customer_id": "c-batch", "amount": "1.00"},
+            headers={"Idempotency-Key": f"batch-{n}-{uuid.uuid4()}"},
+        )
+        ids.append(uuid.UUID(placed.json()["id"]))
+    unknown = uuid.uuid4()
+    batch = [
+        order_placed("c-batch", "1.00", oid).model_copy(update={"event_type": kind})
+        for oid, kind in (
+            (ids[0], "PaymentSucceeded"),
+            (ids[1], "PaymentFailed"),
+            (ids[0], "PaymentFailed"),
+            (unknown, "PaymentSucceeded"),
+        )
+    ]
+    reads: list[str] = []
+    async_engine = create_async_engine(database_url)
+    sa.event.listen(
+        async_engine.sync_engine,
+        "before_cursor_execute",
+        lambda _c, _cur, statement, *_a: (
+            reads.append(statement) if statement.lstrip().upper().startswith("SELECT") else None
+        ),
+    )
+    try:
+        async with AsyncSession(async_engine) as session, session.begin():
+            outcomes = [await apply_payment_result(session, e, batch) for e in batch]
+    finally:
+        await async_engine.dispose()
+    assert outcomes == [Applied.APPLIED, Applied.APPLIED, Applied.IGNORED, Applied.UNKNOWN_ORDER]
+    assert len(reads) == 1, reads
+    first, second = [(await orders.get(f"/orders/{oid}")).json() for oid in ids]
+    assert (first["status"], first["version"]) == ("PAID", 2)
+    assert (second["status"], second["version"]) == ("CANCELLED", 2)
 
 
 async def test_late_payment_result_never_moves_an_order_backwards(

@@ -214,3 +214,52 @@ async def test_a_lone_event_in_a_lent_batch_is_applied_not_given_back(
         await consumer.aclose()
     assert outcomes == [Outcome.APPLIED] * 3 + [Outcome.ABANDONED]
     assert ran == ["own", "lent0", "lent1"]
+
+
+async def test_a_handler_sees_the_events_of_its_transaction(
+    database_url: str, kafka_bootstrap: str
+) -> None:
+    """``ctx.batch``: in a batch, the events whose handlers run in it, in order (not a copy
+    within the batch, not one the inbox already holds); on the per-message path (a single
+    record, a batch that rolled back) the event alone."""
+    from ledgerbox.inbox.testing import record_for
+
+    group = f"lend-batch-{uuid.uuid4().hex[:8]}"
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=["orders"],
+            database_url=database_url,
+            kafka_bootstrap_servers=kafka_bootstrap,
+            retry_base_s=0.01,
+        )
+    )
+    seen: list[tuple[str, list[str]]] = []
+    failed: set[str] = set()
+
+    @consumer.handler("OrderPlaced")
+    async def note(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        name = event.payload["order_id"]
+        seen.append((name, [e.payload["order_id"] for e in ctx.batch]))
+        if name == "e5" and name not in failed:
+            failed.add(name)
+            raise RuntimeError("once")  # the batch rolls back; e4 and e5 rerun one by one
+
+    e0, e1, e2, e3, e4, e5 = (order_event("orders", f"e{i}") for i in range(6))
+    try:
+        await consumer.process_batch([record_for(e0, offset=0)])
+        assert seen == [("e0", ["e0"])], "a single record: the event alone"
+        seen.clear()
+        batch = [e0, e1, e2, e1, e3]  # e0 applied before, e1 twice
+        await consumer.process_batch([record_for(e, offset=i + 1) for i, e in enumerate(batch)])
+        assert seen == [(n, ["e1", "e2", "e3"]) for n in ("e1", "e2", "e3")]
+        seen.clear()
+        await consumer.process_batch([record_for(e4, offset=6), record_for(e5, offset=7)])
+        assert seen == [
+            ("e4", ["e4", "e5"]),
+            ("e5", ["e4", "e5"]),
+            ("e4", ["e4"]),
+            ("e5", ["e5"]),
+        ], "a batch that rolled back reruns its events one per transaction"
+    finally:
+        await consumer.aclose()
