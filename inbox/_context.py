@@ -42,11 +42,15 @@ class HandlerContext(Generic[S]):
         Guard writes with :func:`inbox.fenced_update` (``WHERE fence < :token``).
     batch : tuple[EventEnvelope, ...]
         The events whose handlers run in this transaction, in the order they run, this one
-        among them: ``(event,)`` on the per-message path, up to ``batch_max_records`` events
-        (of any types, several partitions' with ``batch_across_partitions``) in a batch.
+        among them: ``(event,)`` on the per-message path; in a batch up to
+        ``batch_max_records`` events (any registered types whose handlers are all async or
+        all sync; several partitions' with ``batch_across_partitions``), only those the
+        inbox claimed for this transaction: no second copy, nothing applied or dead-lettered
+        before.
         For reading ahead: the first handler of a batch can read the rows of all of them in
-        one statement (``WHERE id = ANY(:ids)``) and keep them in ``session.info`` (a new
-        session per transaction, so nothing outlives it), the next ones use them, each
+        one statement (``WHERE id = ANY(:ids)``) and keep them in ``session.info`` with the
+        transaction (``session.get_transaction()``; the consumer opens a new session per
+        transaction, a caller of your own may not), the next ones use them, each
         writing only for its own event, with its optimistic version (G5): a row another
         transaction changed since the read is then a version conflict, the batch rolls back
         and its events run again with a fresh read (in the end one per transaction, each
@@ -65,5 +69,5 @@ class HandlerContext(Generic[S]):
     """True once a renewal found the lock taken by someone else (writes should be fenced)."""
     timestamp_ms: int | None = None
     """The Kafka record's timestamp in ms since the epoch (see the class docstring)."""
-    batch: tuple[EventEnvelope, ...] = ()
+    batch: tuple[EventEnvelope, ...] = field(default=(), repr=False, compare=False)
     """The events whose handlers run in this transaction (see the class docstring)."""

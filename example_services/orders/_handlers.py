@@ -44,8 +44,8 @@ PAYMENT_RESULTS = {
 SELECT_ORDER_STATES = sa.text("SELECT id, status, version FROM orders WHERE id = ANY(:ids)")
 INSERT_APPLIED = sa.insert(order_events_applied)
 
-#: ``session.info`` key of the states read ahead in this transaction:
-#: order id -> (status, version), or ``None`` for an order that does not exist.
+#: ``session.info`` key of (the transaction, the states it read ahead or wrote: order id ->
+#: (status, version), or ``None`` for an order that does not exist).
 _STATES = "example_services.orders.states"
 
 #: The versioned status change (G5: ``WHERE version = :version_before``, the version read
@@ -107,14 +107,20 @@ async def order_state(
     """The order's (status, version) as this transaction last read or wrote it; ``None``: no
     such order. The first call of a transaction reads the orders of every payment result
     of ``batch`` (``HandlerContext.batch``) in one statement; a later call for an order not
-    read yet reads it (and the rest of its batch) then."""
-    states: dict[uuid.UUID, tuple[OrderStatus, int] | None] = session.info.setdefault(_STATES, {})
+    read yet reads it (and the rest of its batch) then. Kept with the transaction it belongs
+    to: a session used for another transaction (a retry after a rollback) reads again."""
+    held = session.info.get(_STATES)
+    transaction = session.sync_session.get_transaction()
+    states: dict[uuid.UUID, tuple[OrderStatus, int] | None] = (
+        held[1] if held is not None and transaction is not None and held[0] is transaction else {}
+    )
     if order_id not in states:
         ids = {order_id} | _order_ids([e for e in batch if e.event_type in PAYMENT_RESULTS])
         ids -= states.keys()
         rows = (await session.execute(SELECT_ORDER_STATES, {"ids": list(ids)})).all()
         states.update(dict.fromkeys(ids))
         states.update({row.id: (OrderStatus(row.status), int(row.version)) for row in rows})
+        session.info[_STATES] = (session.sync_session.get_transaction(), states)
     return states[order_id]
 
 
@@ -172,5 +178,5 @@ async def apply_payment_result(
     ).first()
     if moved is None:
         raise VersionConflictError(orders.name, {"id": order_id}, version)
-    session.info[_STATES][order_id] = (target, int(moved.version_after))
+    session.info[_STATES][1][order_id] = (target, int(moved.version_after))
     return Applied.APPLIED

@@ -16,13 +16,13 @@ from decimal import Decimal
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from example_services.payments._models import PaymentStatus, payments, wallets
+from example_services.payments._models import PaymentStatus, wallets
 from ledgerbox.inbox import VersionConflictError
 from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter, idempotency_key
 
 __all__ = [
     "DEBIT_AND_RECORD",
-    "INSERT_PAYMENT",
+    "FAIL_AND_RECORD",
     "READ_AHEAD",
     "SOURCE",
     "decide",
@@ -47,10 +47,28 @@ READ_AHEAD = sa.text(
     """
 )
 
-#: Built once: executed with a parameter dict, the statement's compiled form and cache key
-#: are reused (``sa.insert(payments).values(...)`` per event rebuilds both: ~100 us of CPU).
-#: For a failed payment (nothing debited).
-INSERT_PAYMENT = sa.insert(payments)
+#: A failed payment (nothing debited), recorded only while the wallet is as it was read:
+#: at the version read (``:version``), or still absent when none was read (``:version``
+#: NULL). No row back: the wallet changed since the read (a top-up, a new wallet): the caller
+#: raises ``VersionConflictError`` and the consumer reruns with a fresh read, so "insufficient
+#: funds" / "no wallet" is never decided on a stale balance. Parameters: ``id``,
+#: ``order_id``, ``customer_id``, ``amount``, ``status``, ``reason``, ``balance_after``
+#: (NULL without a wallet), ``event_id``, ``version``.
+FAIL_AND_RECORD = sa.text(
+    """
+    INSERT INTO payments (id, order_id, customer_id, amount, status, reason, balance_after,
+                          event_id)
+    SELECT :id, :order_id, :customer_id, :amount, :status, CAST(:reason AS text),
+           CAST(:balance_after AS numeric), :event_id
+     WHERE CASE WHEN CAST(:version AS integer) IS NULL
+                THEN NOT EXISTS (SELECT 1 FROM wallets WHERE customer_id = :customer_id)
+                ELSE EXISTS (SELECT 1 FROM wallets
+                              WHERE customer_id = :customer_id
+                                AND version = CAST(:version AS integer))
+           END
+    RETURNING id
+    """
+)
 
 #: The versioned debit (G5: ``WHERE version = :version``, the version read with the balance)
 #: and the payment row in ONE statement: a data-modifying CTE, one round trip instead of two
@@ -58,21 +76,24 @@ INSERT_PAYMENT = sa.insert(payments)
 #: top-up or another order moved the wallet): the caller raises ``VersionConflictError``,
 #: exactly what ``aupdate_versioned`` raises, and the consumer reruns with the new balance.
 #: Parameters: ``customer_id``, ``version``, ``balance_after``, ``id``, ``order_id``,
-#: ``amount``, ``status``, ``event_id``.
+#: ``amount``, ``status``, ``event_id``. Row back: the wallet's balance and version as stored
+#: (what the transaction's read-ahead keeps for the customer's next order in the batch).
 DEBIT_AND_RECORD = sa.text(
     """
     WITH debited AS (
         UPDATE wallets
            SET balance = :balance_after, version = version + 1, updated_at = now()
          WHERE customer_id = :customer_id AND version = :version
-        RETURNING customer_id
+        RETURNING customer_id, balance, version
+    ), recorded AS (
+        INSERT INTO payments (id, order_id, customer_id, amount, status, reason,
+                              balance_after, event_id)
+        SELECT :id, :order_id, debited.customer_id, :amount, :status, NULL, :balance_after,
+               :event_id
+          FROM debited
+        RETURNING id
     )
-    INSERT INTO payments (id, order_id, customer_id, amount, status, reason, balance_after,
-                          event_id)
-    SELECT :id, :order_id, debited.customer_id, :amount, :status, NULL, :balance_after,
-           :event_id
-      FROM debited
-    RETURNING id
+    SELECT recorded.id, debited.balance, debited.version FROM recorded CROSS JOIN debited
     """
 )
 
@@ -87,14 +108,21 @@ class _ReadAhead:
     wallets: dict[str, tuple[Decimal, int] | None] = field(default_factory=dict)
 
 
-#: ``session.info`` key of the transaction's :class:`_ReadAhead`.
+#: ``session.info`` key of (the transaction, its :class:`_ReadAhead`).
 _READ = "example_services.payments.read_ahead"
 
 
 async def _read_ahead(
     session: AsyncSession, order_id: uuid.UUID, customer_id: str, batch: Sequence[EventEnvelope]
 ) -> _ReadAhead:
-    read: _ReadAhead = session.info.setdefault(_READ, _ReadAhead())
+    # Kept in session.info with the transaction it belongs to: a session used for another
+    # transaction (a retry after a rollback) reads again.
+    held = session.info.get(_READ)
+    transaction = session.sync_session.get_transaction()
+    if held is not None and transaction is not None and held[0] is transaction:
+        read: _ReadAhead = held[1]
+    else:
+        read = _ReadAhead()
     if order_id in read.orders and customer_id in read.wallets:
         return read
     order_ids, customer_ids = {order_id}, {customer_id}
@@ -119,6 +147,7 @@ async def _read_ahead(
             read.paid.add(uuid.UUID(row.key))
         else:
             read.wallets[row.key] = (Decimal(row.balance), int(row.version))
+    session.info[_READ] = (session.sync_session.get_transaction(), read)
     return read
 
 
@@ -162,7 +191,8 @@ async def pay_order(
     Raises
     ------
     inbox.VersionConflictError
-        The wallet changed since it was read: the consumer reruns with the new balance.
+        The wallet changed (or appeared) since it was read, before a debit or a failed
+        payment: the consumer reruns with the new balance.
     """
     order_id = uuid.UUID(str(event.payload["order_id"]))
     customer_id = str(event.payload["customer_id"])
@@ -191,9 +221,18 @@ async def pay_order(
         ).first()
         if debited is None:
             raise VersionConflictError(wallets.name, {"customer_id": customer_id}, version)
-        read.wallets[customer_id] = (wallet[0] - amount, version + 1)
+        read.wallets[customer_id] = (Decimal(debited.balance), int(debited.version))
     else:
-        await session.execute(INSERT_PAYMENT, {**row, "reason": reason, "balance_after": balance})
+        known = None if wallet is None else wallet[1]
+        recorded = (
+            await session.execute(
+                FAIL_AND_RECORD,
+                {**row, "reason": reason, "balance_after": balance, "version": known},
+            )
+        ).first()
+        if recorded is None:
+            # expected_version 0: no wallet was read (a wallet's first version is 1).
+            raise VersionConflictError(wallets.name, {"customer_id": customer_id}, known or 0)
     read.paid.add(order_id)
     # ``stage`` only adds the outbox row to the session (no I/O); it is inserted at the
     # commit's flush. The statements above are Core and text, which never autoflush, so the

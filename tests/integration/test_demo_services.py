@@ -336,16 +336,18 @@ async def test_pay_order_batch_reads_ahead_once_debits_each_and_stages_results_i
     from example_services.payments._handlers import pay_order, payment_writer
     from example_services.payments._models import PaymentStatus
 
-    customer = f"c-{uuid.uuid4().hex[:8]}"
-    assert (
-        await payments.post(
-            f"/wallets/{customer}/top-up",
-            json={"amount": "20.00"},
-            headers={"Idempotency-Key": "f"},
-        )
-    ).status_code == 201
+    customer, other = f"c-{uuid.uuid4().hex[:8]}", f"c-{uuid.uuid4().hex[:8]}"
+    for who, amount in ((customer, "20.00"), (other, "3.00")):
+        assert (
+            await payments.post(
+                f"/wallets/{who}/top-up",
+                json={"amount": amount},
+                headers={"Idempotency-Key": f"f-{who}"},
+            )
+        ).status_code == 201
     writer = payment_writer("t.payments")
     events = [order_placed(customer, "5.00") for _ in range(3)] + [order_placed(customer, "9.00")]
+    events.insert(2, order_placed(other, "2.00"))  # another customer in the same batch
     outbox_inserts: list[str] = []
     reads: list[str] = []
     async_engine = create_async_engine(payment_tables)
@@ -361,9 +363,11 @@ async def test_pay_order_batch_reads_ahead_once_debits_each_and_stages_results_i
         async with AsyncSession(async_engine) as session, session.begin():
             # As the consumer calls it: each event with the batch it is part of.
             outcomes = [await pay_order(session, event, writer, events) for event in events]
-        # The payments and the wallet of all four orders: ONE read, at the first call; each
+        # The payments and the wallets of all five orders: ONE read, at the first call; each
         # debit then used the balance and version the one before it left.
         assert len(reads) == 1, reads
+        assert outcomes.pop(2) is PaymentStatus.SUCCEEDED  # the other customer's order
+        assert (await payments.get(f"/wallets/{other}")).json()["balance"] == "1.00"
         # A second delivery of the first order under a new event id: nothing is written.
         again = order_placed(customer, "5.00", uuid.UUID(events[0].payload["order_id"]))
         async with AsyncSession(async_engine) as session, session.begin():
@@ -371,7 +375,7 @@ async def test_pay_order_batch_reads_ahead_once_debits_each_and_stages_results_i
     finally:
         await async_engine.dispose()
     assert outcomes == [PaymentStatus.SUCCEEDED] * 3 + [PaymentStatus.FAILED]
-    # The handler's statements are Core / text (no autoflush): the four staged results go
+    # The handler's statements are Core / text (no autoflush): the five staged results go
     # out in ONE multi-row INSERT at commit, not one round trip per event.
     assert len(outbox_inserts) == 1, outbox_inserts
     wallet = (await payments.get(f"/wallets/{customer}")).json()
@@ -461,6 +465,140 @@ async def test_pay_order_on_a_wallet_changed_since_read_is_a_version_conflict(
     wallet = (await payments.get(f"/wallets/{customer}")).json()
     assert wallet["balance"] == "11.00" and wallet["version"] == 2
     assert (await payments.get(f"/payments/{event.payload['order_id']}")).status_code == 404
+
+
+def bump_version_at(
+    async_engine: Any, engine: Engine, marker: str, nth: int, sql: str, params: dict[str, Any]
+) -> None:
+    """As :func:`bump_version_before`, before the ``nth`` statement (1-based) containing
+    ``marker`` only: a row read ahead for a batch moves before a later event's write."""
+    seen = 0
+
+    def race(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        nonlocal seen
+        if marker in statement:
+            seen += 1
+            if seen == nth:
+                with engine.begin() as other:
+                    other.execute(sa.text(sql), params)
+
+    sa.event.listen(async_engine.sync_engine, "before_cursor_execute", race)
+
+
+@pytest.mark.parametrize("amount", ["4.00", "50.00"], ids=["debit", "failed-payment"])
+async def test_a_wallet_changed_after_the_batch_read_is_a_version_conflict(
+    payments: httpx.AsyncClient, payment_tables: str, engine: Engine, amount: str
+) -> None:
+    """Read ahead: the batch read both customers' wallets at version 1 with its first order
+    (another customer's, debited); a top-up of this customer's wallet commits before the
+    second order's write. That write - a debit, or a failed payment ("insufficient funds" on
+    the balance read) - is a conflict with the version read, never a decision on a stale
+    balance. (Once the batch wrote a wallet it holds the row's lock: nobody else changes it
+    before the batch ends.)"""
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from example_services.payments._handlers import pay_order, payment_writer
+    from ledgerbox.inbox import VersionConflictError
+
+    customer, first = f"c-{uuid.uuid4().hex[:8]}", f"c-{uuid.uuid4().hex[:8]}"
+    for who in (customer, first):
+        await payments.post(
+            f"/wallets/{who}/top-up", json={"amount": "10.00"}, headers={"Idempotency-Key": who}
+        )
+    batch = [order_placed(first, "1.00"), order_placed(customer, amount)]
+    async_engine = create_async_engine(payment_tables)
+    top_up = (
+        "UPDATE wallets SET balance = balance + 100, version = version + 1 WHERE customer_id = :c"
+    )
+    bump_version_at(async_engine, engine, "INSERT INTO payments", 2, top_up, {"c": customer})
+    try:
+        with pytest.raises(VersionConflictError) as raised:
+            async with AsyncSession(async_engine) as session, session.begin():
+                for event in batch:
+                    await pay_order(session, event, payment_writer("t.payments"), batch)
+    finally:
+        await async_engine.dispose()
+    assert raised.value.expected_version == 1 and raised.value.key == {"customer_id": customer}
+    wallet = (await payments.get(f"/wallets/{customer}")).json()
+    assert wallet["balance"] == "110.00" and wallet["version"] == 2  # the top-up only
+    assert (await payments.get(f"/wallets/{first}")).json()["balance"] == "10.00"
+    for event in batch:
+        assert (await payments.get(f"/payments/{event.payload['order_id']}")).status_code == 404
+
+
+async def test_the_read_ahead_does_not_outlive_its_transaction(
+    payments: httpx.AsyncClient, payment_tables: str
+) -> None:
+    """A session used again after a rollback reads again: the order the rolled-back
+    transaction had paid is paid now, not skipped as "already paid"."""
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from example_services.payments._handlers import pay_order, payment_writer
+    from example_services.payments._models import PaymentStatus
+
+    customer = f"c-{uuid.uuid4().hex[:8]}"
+    await payments.post(
+        f"/wallets/{customer}/top-up", json={"amount": "10.00"}, headers={"Idempotency-Key": "r"}
+    )
+    event = order_placed(customer, "4.00")
+    writer = payment_writer("t.payments")
+    async_engine = create_async_engine(payment_tables)
+    try:
+        async with AsyncSession(async_engine) as session:
+            with pytest.raises(RuntimeError):
+                async with session.begin():
+                    assert await pay_order(session, event, writer, [event]) is not None
+                    raise RuntimeError("a later statement fails: all of it rolls back")
+            async with session.begin():
+                again = await pay_order(session, event, writer, [event])
+    finally:
+        await async_engine.dispose()
+    assert again is PaymentStatus.SUCCEEDED
+    wallet = (await payments.get(f"/wallets/{customer}")).json()
+    assert wallet["balance"] == "6.00" and wallet["version"] == 2
+
+
+async def test_an_order_changed_after_the_batch_read_is_a_version_conflict(
+    orders: httpx.AsyncClient, database_url: str, engine: Engine
+) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from example_services.orders._handlers import apply_payment_result
+    from ledgerbox.inbox import VersionConflictError
+
+    ids = []
+    for n in range(2):
+        placed = await orders.post(
+            "/orders",
+            json={"customer_id": "c-race2", "amount": "1.00"},
+            headers={"Idempotency-Key": f"race2-{n}-{uuid.uuid4()}"},
+        )
+        ids.append(placed.json()["id"])
+    batch = [
+        order_placed("c-race2", "1.00", uuid.UUID(oid)).model_copy(
+            update={"event_type": "PaymentSucceeded"}
+        )
+        for oid in ids
+    ]
+    async_engine = create_async_engine(database_url)
+    bump_version_at(
+        async_engine,
+        engine,
+        "WITH moved AS",
+        2,
+        "UPDATE orders SET version = version + 1 WHERE id = CAST(:id AS uuid)",
+        {"id": ids[1]},
+    )
+    try:
+        with pytest.raises(VersionConflictError) as raised:
+            async with AsyncSession(async_engine) as session, session.begin():
+                for event in batch:
+                    await apply_payment_result(session, event, batch)
+    finally:
+        await async_engine.dispose()
+    assert raised.value.expected_version == 1 and raised.value.key == {"id": uuid.UUID(ids[1])}
+    for oid in ids:
+        assert (await orders.get(f"/orders/{oid}")).json()["status"] == "PENDING"
 
 
 async def test_payment_result_on_an_order_changed_since_read_is_a_version_conflict(

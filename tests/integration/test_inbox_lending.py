@@ -241,6 +241,7 @@ async def test_a_handler_sees_the_events_of_its_transaction(
     async def note(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
         name = event.payload["order_id"]
         seen.append((name, [e.payload["order_id"] for e in ctx.batch]))
+        assert "batch=" not in repr(ctx), "a logged context does not dump the whole batch"
         if name == "e5" and name not in failed:
             failed.add(name)
             raise RuntimeError("once")  # the batch rolls back; e4 and e5 rerun one by one
