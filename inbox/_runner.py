@@ -548,17 +548,16 @@ async def _close_by_hand(kafka: AIOKafkaConsumer) -> None:
 
 class _PartitionWorker:
     """Processes one partition's records strictly in order (and, lending, the records of
-        idle partitions in the same batch).
+    idle partitions in the same batch).
 
-        Lending (module docstring, "Batches across partitions"): a worker that starts a batch
-        with room left takes the records waiting on idle partitions into the same batch. A lent
-        worker does not process until its records come back: applied, its position moves; not
-        applied (given back), they return to the front of its queue and it runs them in a batch
-        of its own, neither lent nor lending (so does the worker running the batch when some of its
-    own records came back). So one
-        partition's records are never in two batches at once, a failing record holds up only
-        its own partition, and a closing worker waits for its lent records: a revoke commits
-        their positions before the partition goes to another consumer.
+    Lending (module docstring, "Batches across partitions"): a worker that starts a batch
+    with room left takes the records waiting on idle partitions into the same batch. A lent
+    worker does not process until its records come back: applied, its position moves; not
+    applied (given back), they return to the front of its queue and it runs them in a batch
+    of its own, neither lent nor lending (so does the worker running the batch when some of
+    its own records came back). So one partition's records are never in two batches at once,
+    a failing record holds up only its own partition, and a closing worker waits for its lent
+    records: a revoke commits their positions before the partition goes to another consumer.
     """
 
     def __init__(self, runner: KafkaRunner, tp: TopicPartition) -> None:
