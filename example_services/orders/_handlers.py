@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from example_services._read_ahead import cached, keep
 from example_services.orders._models import OrderStatus, order_events_applied, orders
 from ledgerbox.inbox import VersionConflictError
 from ledgerbox.outbox import EventEnvelope
@@ -47,6 +48,7 @@ INSERT_APPLIED = sa.insert(order_events_applied)
 #: ``session.info`` key of (the transaction, the states it read ahead or wrote: order id ->
 #: (status, version), or ``None`` for an order that does not exist).
 _STATES = "example_services.orders.states"
+_States = dict[uuid.UUID, tuple[OrderStatus, int] | None]
 
 #: The versioned status change (G5: ``WHERE version = :version_before``, the version read
 #: just before) and its history entry in ONE statement: a data-modifying CTE, one round trip
@@ -109,18 +111,14 @@ async def order_state(
     of ``batch`` (``HandlerContext.batch``) in one statement; a later call for an order not
     read yet reads it (and the rest of its batch) then. Kept with the transaction it belongs
     to: a session used for another transaction (a retry after a rollback) reads again."""
-    held = session.info.get(_STATES)
-    transaction = session.sync_session.get_transaction()
-    states: dict[uuid.UUID, tuple[OrderStatus, int] | None] = (
-        held[1] if held is not None and transaction is not None and held[0] is transaction else {}
-    )
+    states: _States = cached(session, _STATES, dict)
     if order_id not in states:
         ids = {order_id} | _order_ids([e for e in batch if e.event_type in PAYMENT_RESULTS])
         ids -= states.keys()
         rows = (await session.execute(SELECT_ORDER_STATES, {"ids": list(ids)})).all()
         states.update(dict.fromkeys(ids))
         states.update({row.id: (OrderStatus(row.status), int(row.version)) for row in rows})
-        session.info[_STATES] = (session.sync_session.get_transaction(), states)
+        keep(session, _STATES, states)
     return states[order_id]
 
 
@@ -178,5 +176,6 @@ async def apply_payment_result(
     ).first()
     if moved is None:
         raise VersionConflictError(orders.name, {"id": order_id}, version)
-    session.info[_STATES][1][order_id] = (target, int(moved.version_after))
+    states: _States = cached(session, _STATES, dict)
+    states[order_id] = (target, int(moved.version_after))
     return Applied.APPLIED

@@ -16,6 +16,7 @@ from decimal import Decimal
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from example_services._read_ahead import cached, keep
 from example_services.payments._models import PaymentStatus, wallets
 from ledgerbox.inbox import VersionConflictError
 from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter, idempotency_key
@@ -115,14 +116,9 @@ _READ = "example_services.payments.read_ahead"
 async def _read_ahead(
     session: AsyncSession, order_id: uuid.UUID, customer_id: str, batch: Sequence[EventEnvelope]
 ) -> _ReadAhead:
-    # Kept in session.info with the transaction it belongs to: a session used for another
-    # transaction (a retry after a rollback) reads again.
-    held = session.info.get(_READ)
-    transaction = session.sync_session.get_transaction()
-    if held is not None and transaction is not None and held[0] is transaction:
-        read: _ReadAhead = held[1]
-    else:
-        read = _ReadAhead()
+    # Kept with the transaction it belongs to: a session used for another transaction (a
+    # retry after a rollback) reads again.
+    read = cached(session, _READ, _ReadAhead)
     if order_id in read.orders and customer_id in read.wallets:
         return read
     order_ids, customer_ids = {order_id}, {customer_id}
@@ -147,7 +143,7 @@ async def _read_ahead(
             read.paid.add(uuid.UUID(row.key))
         else:
             read.wallets[row.key] = (Decimal(row.balance), int(row.version))
-    session.info[_READ] = (session.sync_session.get_transaction(), read)
+    keep(session, _READ, read)
     return read
 
 
