@@ -558,6 +558,19 @@ async def test_the_read_ahead_does_not_outlive_its_transaction(
     assert wallet["balance"] == "6.00" and wallet["version"] == 2
 
 
+async def place_orders(orders: httpx.AsyncClient, customer: str, count: int) -> list[uuid.UUID]:
+    """``count`` new orders of ``customer`` (1.00 each) through the order API: their ids."""
+    ids = []
+    for n in range(count):
+        placed = await orders.post(
+            "/orders",
+            json={"customer_id": customer, "amount": "1.00"},
+            headers={"Idempotency-Key": f"{customer}-{n}-{uuid.uuid4()}"},
+        )
+        ids.append(uuid.UUID(placed.json()["id"]))
+    return ids
+
+
 async def test_an_order_changed_after_the_batch_read_is_a_version_conflict(
     orders: httpx.AsyncClient, database_url: str, engine: Engine
 ) -> None:
@@ -566,18 +579,9 @@ async def test_an_order_changed_after_the_batch_read_is_a_version_conflict(
     from example_services.orders._handlers import apply_payment_result
     from ledgerbox.inbox import VersionConflictError
 
-    ids = []
-    for n in range(2):
-        placed = await orders.post(
-            "/orders",
-            json={"customer_id": "c-race2", "amount": "1.00"},
-            headers={"Idempotency-Key": f"race2-{n}-{uuid.uuid4()}"},
-        )
-        ids.append(placed.json()["id"])
+    ids = await place_orders(orders, "c-race2", 2)
     batch = [
-        order_placed("c-race2", "1.00", uuid.UUID(oid)).model_copy(
-            update={"event_type": "PaymentSucceeded"}
-        )
+        order_placed("c-race2", "1.00", oid).model_copy(update={"event_type": "PaymentSucceeded"})
         for oid in ids
     ]
     async_engine = create_async_engine(database_url)
@@ -587,7 +591,7 @@ async def test_an_order_changed_after_the_batch_read_is_a_version_conflict(
         "WITH moved AS",
         2,
         "UPDATE orders SET version = version + 1 WHERE id = CAST(:id AS uuid)",
-        {"id": ids[1]},
+        {"id": str(ids[1])},
     )
     try:
         with pytest.raises(VersionConflictError) as raised:
@@ -596,7 +600,7 @@ async def test_an_order_changed_after_the_batch_read_is_a_version_conflict(
                     await apply_payment_result(session, event, batch)
     finally:
         await async_engine.dispose()
-    assert raised.value.expected_version == 1 and raised.value.key == {"id": uuid.UUID(ids[1])}
+    assert raised.value.expected_version == 1 and raised.value.key == {"id": ids[1]}
     for oid in ids:
         assert (await orders.get(f"/orders/{oid}")).json()["status"] == "PENDING"
 
@@ -652,14 +656,7 @@ async def test_payment_results_of_a_batch_read_their_orders_once(
 
     from example_services.orders._handlers import Applied, apply_payment_result
 
-    ids = []
-    for n in range(2):
-        placed = await orders.post(
-            "/orders",
-            json={"customer_id": "c-batch", "amount": "1.00"},
-            headers={"Idempotency-Key": f"batch-{n}-{uuid.uuid4()}"},
-        )
-        ids.append(uuid.UUID(placed.json()["id"]))
+    ids = await place_orders(orders, "c-batch", 2)
     unknown = uuid.uuid4()
     batch = [
         order_placed("c-batch", "1.00", oid).model_copy(update={"event_type": kind})

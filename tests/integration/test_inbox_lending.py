@@ -43,6 +43,22 @@ def applied(engine: Engine, group: str) -> list[tuple[int, int, int]]:
     return [(r[0], r[1], r[2]) for r in rows]
 
 
+def bare_consumer(
+    database_url: str, bootstrap: str, topic: str, group: str, **config: Any
+) -> InboxConsumer:
+    """A consumer of ``topic`` in ``group`` without handlers (offsets committed every 20 ms)."""
+    return InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=[topic],
+            database_url=database_url,
+            kafka_bootstrap_servers=bootstrap,
+            commit_interval_ms=20,
+            **config,
+        )
+    )
+
+
 def consumer_for(
     database_url: str,
     bootstrap: str,
@@ -53,16 +69,7 @@ def consumer_for(
 ) -> InboxConsumer:
     """A consumer recording each event's partition, sequence and transaction; with
     ``released``, partition 0's first event fails until it is set."""
-    consumer = InboxConsumer(
-        ConsumerConfig(
-            group_id=group,
-            topics=[topic],
-            database_url=database_url,
-            kafka_bootstrap_servers=bootstrap,
-            commit_interval_ms=20,
-            **config,
-        )
-    )
+    consumer = bare_consumer(database_url, bootstrap, topic, group, **config)
 
     @consumer.handler("OrderPlaced")
     async def record(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
@@ -182,14 +189,7 @@ async def test_a_lone_event_in_a_lent_batch_is_applied_not_given_back(
     from ledgerbox.inbox.testing import FakeRecord, record_for
 
     group = f"lend-lone-{uuid.uuid4().hex[:8]}"
-    consumer = InboxConsumer(
-        ConsumerConfig(
-            group_id=group,
-            topics=["orders"],
-            database_url=database_url,
-            kafka_bootstrap_servers=kafka_bootstrap,
-        )
-    )
+    consumer = bare_consumer(database_url, kafka_bootstrap, "orders", group)
     ran: list[str] = []
 
     @consumer.handler("OrderPlaced")
@@ -225,15 +225,7 @@ async def test_a_handler_sees_the_events_of_its_transaction(
     from ledgerbox.inbox.testing import record_for
 
     group = f"lend-batch-{uuid.uuid4().hex[:8]}"
-    consumer = InboxConsumer(
-        ConsumerConfig(
-            group_id=group,
-            topics=["orders"],
-            database_url=database_url,
-            kafka_bootstrap_servers=kafka_bootstrap,
-            retry_base_s=0.01,
-        )
-    )
+    consumer = bare_consumer(database_url, kafka_bootstrap, "orders", group, retry_base_s=0.01)
     seen: list[tuple[str, list[str]]] = []
     failed: set[str] = set()
 

@@ -56,6 +56,22 @@ def runner_with(pipeline: Pipeline, *, across: bool = True, limit: int = 100) ->
     return runner
 
 
+def feed(runner: KafkaRunner, partitions: int, count: int, first: int = 0) -> None:
+    """``count`` records (offsets from ``first``) on each of the first ``partitions``."""
+    for p in range(partitions):
+        runner.workers[TPS[p]].feed(records(p, first, count))
+
+
+async def held_batch(pipeline: Pipeline, partitions: int, count: int) -> KafkaRunner:
+    """A runner whose first batch (lending ``partitions`` x ``count`` records) is in the
+    pipeline, held there until ``pipeline.gate`` is set."""
+    runner = runner_with(pipeline)
+    pipeline.gate.clear()
+    feed(runner, partitions, count)
+    await pipeline.entered.wait()
+    return runner
+
+
 async def settle(runner: KafkaRunner) -> None:
     for _ in range(50):
         await asyncio.sleep(0)
@@ -74,8 +90,7 @@ async def close(runner: KafkaRunner) -> None:
 async def test_records_waiting_on_idle_partitions_join_the_batch_in_offset_order() -> None:
     pipeline = Pipeline()
     runner = runner_with(pipeline)
-    for p in range(3):
-        runner.workers[TPS[p]].feed(records(p, 10, 4))
+    feed(runner, 3, 4, 10)
     await settle(runner)
     assert len(pipeline.calls) == 1, pipeline.calls
     [(batch, own)] = pipeline.calls
@@ -89,8 +104,7 @@ async def test_records_waiting_on_idle_partitions_join_the_batch_in_offset_order
 async def test_without_lending_each_partition_has_its_own_batches() -> None:
     pipeline = Pipeline()
     runner = runner_with(pipeline, across=False)
-    for p in range(3):
-        runner.workers[TPS[p]].feed(records(p, 0, 2))
+    feed(runner, 3, 2)
     await settle(runner)
     assert sorted(partitions_of(c).pop() for c in pipeline.calls) == [0, 1, 2]
     assert all(len(partitions_of(c)) == 1 and c[1] is None for c in pipeline.calls)
@@ -100,8 +114,7 @@ async def test_without_lending_each_partition_has_its_own_batches() -> None:
 async def test_a_batch_takes_at_most_batch_max_records() -> None:
     pipeline = Pipeline()
     runner = runner_with(pipeline, limit=5)
-    for p in range(3):
-        runner.workers[TPS[p]].feed(records(p, 0, 3))
+    feed(runner, 3, 3)
     await settle(runner)
     assert all(len(c[0]) <= 5 for c in pipeline.calls)
     assert sorted(pipeline.calls[0][0]) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
@@ -115,11 +128,7 @@ async def test_given_back_records_return_in_order_and_run_on_their_own() -> None
     queues, before what arrived meanwhile, and each worker runs them in a batch of its own
     (own=None: the per-message path may run there)."""
     pipeline = Pipeline()
-    runner = runner_with(pipeline)
-    pipeline.gate.clear()
-    for p in range(3):
-        runner.workers[TPS[p]].feed(records(p, 0, 3))
-    await pipeline.entered.wait()
+    runner = await held_batch(pipeline, 3, 3)
     runner.workers[TPS[1]].feed(records(1, 3, 1))  # arrives while lent
 
     def first(batch: Sequence[FakeRecord], own: Any) -> list[Outcome]:
@@ -144,11 +153,7 @@ async def test_a_lent_partition_closing_waits_for_its_records_and_keeps_their_po
     records ended, and by then the position of the applied ones is set (the revoke commits
     it); the batch stopped at its next run (abandon), the other records given back."""
     pipeline = Pipeline()
-    runner = runner_with(pipeline)
-    pipeline.gate.clear()
-    for p in range(3):
-        runner.workers[TPS[p]].feed(records(p, 0, 2))
-    await pipeline.entered.wait()
+    runner = await held_batch(pipeline, 3, 2)
     lent = runner.workers[TPS[2]]
     closing = asyncio.create_task(lent.aclose())
     await asyncio.sleep(0.05)
@@ -161,11 +166,7 @@ async def test_a_lent_partition_closing_waits_for_its_records_and_keeps_their_po
 
 async def test_a_closing_partition_gets_nothing_back_and_others_keep_theirs() -> None:
     pipeline = Pipeline()
-    runner = runner_with(pipeline)
-    pipeline.gate.clear()
-    for p in range(3):
-        runner.workers[TPS[p]].feed(records(p, 0, 2))
-    await pipeline.entered.wait()
+    runner = await held_batch(pipeline, 3, 2)
     lent = runner.workers[TPS[1]]
     closing = asyncio.create_task(lent.aclose())
     # The lent batch is abandoned at once (a closing part); the batches after it apply.
@@ -195,8 +196,7 @@ async def test_a_pipeline_error_gives_every_lent_record_back() -> None:
         return [Outcome.APPLIED] * len(batch)
 
     pipeline.script = explode
-    for p in range(3):
-        runner.workers[TPS[p]].feed(records(p, 0, 2))
+    feed(runner, 3, 2)
     await settle(runner)
     assert runner.workers[TPS[0]].task.done()
     assert isinstance(runner.workers[TPS[0]].task.exception(), RuntimeError)
@@ -208,8 +208,7 @@ async def test_no_lending_with_per_message_locks() -> None:
     pipeline = Pipeline()
     runner = runner_with(pipeline)
     runner.deps = SimpleNamespace(config=runner.config, lock=object())  # type: ignore[assignment]
-    for p in range(3):
-        runner.workers[TPS[p]].feed(records(p, 0, 2))
+    feed(runner, 3, 2)
     await settle(runner)
     assert all(len(partitions_of(c)) == 1 and c[1] is None for c in pipeline.calls)
     await close(runner)
@@ -217,11 +216,7 @@ async def test_no_lending_with_per_message_locks() -> None:
 
 async def test_a_closing_lender_still_asks_for_the_lent_positions_to_be_committed() -> None:
     pipeline = Pipeline()
-    runner = runner_with(pipeline)
-    pipeline.gate.clear()
-    for p in range(2):
-        runner.workers[TPS[p]].feed(records(p, 0, 2))
-    await pipeline.entered.wait()
+    runner = await held_batch(pipeline, 2, 2)
     lender = runner.workers[TPS[0]]
     closing = asyncio.create_task(lender.aclose())
     await asyncio.sleep(0)
@@ -241,8 +236,7 @@ async def test_a_short_outcome_list_is_a_bug_surfaced_not_a_loop() -> None:
     pipeline.script = lambda batch, own: (
         [Outcome.APPLIED] if own is not None else [Outcome.APPLIED] * len(batch)
     )
-    for p in range(2):
-        runner.workers[TPS[p]].feed(records(p, 0, 2))
+    feed(runner, 2, 2)
     await settle(runner)
     lender = runner.workers[TPS[0]]
     assert lender.task.done() and isinstance(lender.task.exception(), RuntimeError)
