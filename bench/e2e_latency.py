@@ -29,6 +29,7 @@ over the measured window of each round there, as collapsed stacks, ``relay-N.txt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -44,6 +45,7 @@ import sqlalchemy as sa
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from bench._common import fresh_database, kafka_bootstrap, median, write_result
+from example_services.demo._kafka import delete_topics
 
 RATE = float(os.environ.get("BENCH_E2E_RATE", "1000"))
 DURATION_S = float(os.environ.get("BENCH_E2E_DURATION_S", "60"))
@@ -166,6 +168,16 @@ def _spies(daemons: list[subprocess.Popen[bytes]], seconds: float) -> list[subpr
 def _round(rate: float, duration_s: float) -> dict[str, float]:
     topic = f"bench-e2e-{uuid.uuid4().hex[:8]}"
     asyncio.run(_create_topic(topic))
+    try:
+        return _measure(topic, rate, duration_s)
+    finally:
+        # A leftover topic per round costs Kafka CPU in every later run (metadata, log
+        # segments): delete it, best effort.
+        with contextlib.suppress(Exception):
+            asyncio.run(delete_topics(kafka_bootstrap(), [topic]))
+
+
+def _measure(topic: str, rate: float, duration_s: float) -> dict[str, float]:
     with fresh_database("bench_e2e") as url, tempfile.TemporaryDirectory() as tmp:
         engine = sa.create_engine(url)
         with engine.begin() as conn:

@@ -42,6 +42,7 @@ Run: ``python -m bench inbox_apply`` (services up; ``DATABASE_URL``, ``KAFKA_BOO
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
@@ -55,6 +56,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from bench._common import fresh_database, kafka_bootstrap, median, write_result
+from example_services.demo._kafka import delete_topics
 from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
 from ledgerbox.inbox._consumer import ConsumerHooks
 from ledgerbox.inbox.testing import kafka_parts
@@ -267,6 +269,9 @@ async def _main() -> dict[str, Any]:
                             cpu_s[name].append(cpu)
         finally:
             await engine.dispose()
+            # A leftover topic costs Kafka CPU in every later run: delete it, best effort.
+            with contextlib.suppress(Exception):
+                await delete_topics(bootstrap, [topic])
     result: dict[str, Any] = {
         "inbox_records": RECORDS,
         "inbox_rounds": ROUNDS,

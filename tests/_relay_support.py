@@ -37,6 +37,7 @@ from ledgerbox.relay._store import (
     RelayStore,
     ShardRead,
 )
+from tests._services import delete_at_session_end
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -137,7 +138,9 @@ class DelegatingStore:
 async def create_topic(
     bootstrap: str, name: str, configs: dict[str, str], *, partitions: int = 1
 ) -> None:
-    """Create ``name`` with topic-level ``configs`` (``max.message.bytes``, ...)."""
+    """Create ``name`` with topic-level ``configs`` (``max.message.bytes``, ...); deleted when
+    the test session ends."""
+    delete_at_session_end(bootstrap, name)
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:

@@ -620,20 +620,45 @@ class TopicFactory:
             await admin.close()
 
     def delete_all(self) -> None:
-        if not self.created:
-            return
         topics, self.created = self.created, []
+        delete_topics(self.bootstrap, topics)
 
-        async def delete() -> None:
-            from aiokafka.admin import AIOKafkaAdminClient
 
-            admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=10000)
-            await admin.start()
-            try:
-                await admin.delete_topics(topics)
-            finally:
-                await admin.close()
+def delete_topics(bootstrap: str, topics: list[str]) -> None:
+    """Delete those of ``topics`` that exist, best effort (a fault test may have left the
+    broker stopped)."""
+    if not topics:
+        return
 
-        # Best effort: a fault test may have left the broker stopped.
-        with contextlib.suppress(Exception):
-            run_coroutine_blocking(delete, timeout=30)
+    async def delete() -> None:
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10000)
+        await admin.start()
+        try:
+            doomed = sorted(set(topics) & set(await admin.list_topics()))
+            if doomed:
+                await admin.delete_topics(doomed)
+        finally:
+            await admin.close()
+
+    with contextlib.suppress(Exception):
+        run_coroutine_blocking(delete, timeout=30)
+
+
+# Topics a test created outside TopicFactory (with topic configs, or auto-created by a relay or
+# an inbox's dead-letter producer) under a fresh name: bootstrap -> names. Deleted when the
+# session ends (tests/conftest.py), so runs do not pile up topics that cost Kafka CPU later.
+_SESSION_TOPICS: dict[str, set[str]] = {}
+
+
+def delete_at_session_end(bootstrap: str, *topics: str) -> None:
+    """Have ``topics`` deleted when the test session ends (those that exist then)."""
+    _SESSION_TOPICS.setdefault(bootstrap, set()).update(topics)
+
+
+def delete_session_topics() -> None:
+    """Delete every topic given to delete_at_session_end (called once, at session end)."""
+    while _SESSION_TOPICS:
+        bootstrap, topics = _SESSION_TOPICS.popitem()
+        delete_topics(bootstrap, sorted(topics))

@@ -108,6 +108,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.stash[_UNIT_SERVICE_USE] = sorted(used)
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _services.delete_session_topics()
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     used = item.stash.get(_UNIT_SERVICE_USE, None)
     if used:

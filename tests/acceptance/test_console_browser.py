@@ -38,6 +38,7 @@ from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer
 from ledgerbox.outbox import EventEnvelope, OutboxWriter, TopicRouter
 from tests import _relay_support as rs
 from tests._inbox_support import poll
+from tests._services import delete_at_session_end
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / ".artifacts" / "console"
@@ -236,6 +237,7 @@ async def test_console_shows_a_dead_event_and_its_replay_is_applied_once(
     metadata.create_all(engine)
     topic = f"console-{uuid.uuid4().hex[:12]}"
     group = f"console-g-{uuid.uuid4().hex[:8]}"
+    delete_at_session_end(kafka_bootstrap, topic, f"{topic}.dlq")
     await set_max_message_bytes(kafka_bootstrap, topic, SMALL_LIMIT, create=True)
     writer = OutboxWriter(TopicRouter(default=topic), source="/console-test")
     metrics_port, console_port = free_port(), free_port()
