@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from example_services._events import MalformedEventError, PaymentResultPayload, parse_payload
 from example_services._read_ahead import cached, keep
 from example_services.orders._models import OrderStatus, order_events_applied, orders
 from ledgerbox.inbox import VersionConflictError
@@ -97,8 +98,8 @@ def _order_ids(events: Sequence[EventEnvelope]) -> set[uuid.UUID]:
     ids = set()
     for event in events:
         try:
-            ids.add(uuid.UUID(str(event.payload["order_id"])))
-        except (KeyError, ValueError):
+            ids.add(parse_payload(PaymentResultPayload, event).order_id)
+        except MalformedEventError:
             continue  # its own handler call reports it
     return ids
 
@@ -136,8 +137,11 @@ async def apply_payment_result(
         The order changed since it was read (another result raced this one, or a writer
         outside this transaction moved it since the batch's read): the consumer rolls back
         and reruns, and the rerun sees the order no longer PENDING.
+    MalformedEventError
+        The payload has no order id that is a UUID; raised before anything is read or
+        written (example_services/_events.py).
     """
-    order_id = uuid.UUID(str(event.payload["order_id"]))
+    order_id = parse_payload(PaymentResultPayload, event).order_id
     state = await order_state(session, order_id, batch)
     if state is None:
         # The order committed before its OrderPlaced was published (G1), so a payment result

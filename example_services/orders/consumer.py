@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from example_services._config import ServiceSettings
+from example_services._events import MalformedEventError
 from example_services.orders._handlers import PAYMENT_RESULTS, apply_payment_result
 from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, KafkaSettings
 from ledgerbox.outbox import EventEnvelope
@@ -35,6 +36,9 @@ def create_consumer(settings: ServiceSettings | None = None) -> InboxConsumer:
             lock_aggregates=False,
             max_attempts=20,
             retry_max_s=1.0,
+            # A payload that does not fit its contract cannot be fixed by a retry:
+            # dead-lettered on the first attempt, nothing written (example_services/_events.py).
+            dead_letter_on=(MalformedEventError,),
         )
     )
 

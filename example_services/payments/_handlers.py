@@ -16,6 +16,7 @@ from decimal import Decimal
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from example_services._events import MalformedEventError, OrderPlacedPayload, parse_payload
 from example_services._read_ahead import cached, keep
 from example_services.payments._models import PaymentStatus, wallets
 from ledgerbox.inbox import VersionConflictError
@@ -125,10 +126,11 @@ async def _read_ahead(
     for event in batch:
         if event.event_type == "OrderPlaced":
             try:
-                order_ids.add(uuid.UUID(str(event.payload["order_id"])))
-                customer_ids.add(str(event.payload["customer_id"]))
-            except (KeyError, ValueError):
+                other = parse_payload(OrderPlacedPayload, event)
+            except MalformedEventError:
                 continue  # its own handler call reports it
+            order_ids.add(other.order_id)
+            customer_ids.add(other.customer_id)
     order_ids -= read.orders
     customer_ids -= read.wallets.keys()
     rows = (
@@ -189,10 +191,13 @@ async def pay_order(
     inbox.VersionConflictError
         The wallet changed (or appeared) since it was read, before a debit or a failed
         payment: the consumer reruns with the new balance.
+    MalformedEventError
+        The payload is not an ``OrderPlacedPayload`` (an amount that is not a positive
+        decimal with at most two places, an order id that is not a UUID, ...); raised before
+        anything is read or written (example_services/_events.py).
     """
-    order_id = uuid.UUID(str(event.payload["order_id"]))
-    customer_id = str(event.payload["customer_id"])
-    amount = Decimal(str(event.payload["amount"]))
+    placed = parse_payload(OrderPlacedPayload, event)
+    order_id, customer_id, amount = placed.order_id, placed.customer_id, placed.amount
     read = await _read_ahead(session, order_id, customer_id, batch)
     if order_id in read.paid:
         return None

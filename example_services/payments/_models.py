@@ -65,4 +65,6 @@ payments = sa.Table(
         server_default=sa.text("clock_timestamp()"),
     ),
     sa.CheckConstraint("status IN ('SUCCEEDED', 'FAILED')", name="ck_payments_status"),
+    # The handler refuses such an amount first (MalformedEventError); this is the backstop.
+    sa.CheckConstraint("amount > 0", name="ck_payments_amount_positive"),
 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from example_services._config import ServiceSettings
+from example_services._events import MalformedEventError
 from example_services.payments._handlers import pay_order, payment_writer
 from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, KafkaSettings
 from ledgerbox.outbox import EventEnvelope
@@ -38,6 +39,9 @@ def create_consumer(settings: ServiceSettings | None = None) -> InboxConsumer:
             # on its version; each conflict is a rerun, so allow many before dead-lettering.
             max_attempts=30,
             retry_max_s=0.5,
+            # A payload that does not fit its contract cannot be fixed by a retry:
+            # dead-lettered on the first attempt, nothing written (example_services/_events.py).
+            dead_letter_on=(MalformedEventError,),
         )
     )
 

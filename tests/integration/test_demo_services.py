@@ -731,3 +731,104 @@ async def test_late_payment_result_never_moves_an_order_backwards(
     assert outcomes == [Applied.APPLIED, Applied.IGNORED, Applied.IGNORED]
     order = (await orders.get(f"/orders/{order_id}")).json()
     assert order["status"] == "PAID" and order["version"] == 2 and order["closed_at"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"amount": "-5.00"}, "amount"),  # a negative debit would credit the wallet
+        ({"amount": "0"}, "amount"),
+        ({"amount": "1.005"}, "amount"),  # the columns keep 2 places: the event and the
+        ({"amount": "NaN"}, "amount"),  # debit would disagree
+        ({"amount": "Infinity"}, "amount"),
+        ({"amount": "five"}, "amount"),
+        ({"amount": None}, "amount"),
+        ({"order_id": "not-a-uuid"}, "order_id"),
+        ({"customer_id": ""}, "customer_id"),
+        ({"customer_id": None}, "customer_id"),
+    ],
+    ids=lambda v: str(v) if isinstance(v, str) else "-".join(f"{k}={w}" for k, w in v.items()),
+)
+async def test_a_malformed_order_placed_is_refused_and_writes_nothing(
+    payments: httpx.AsyncClient, payment_tables: str, change: dict[str, Any], field: str
+) -> None:
+    """The payment handler checks the event's payload before it decides anything: an
+    amount that is not a positive decimal with at most two places, an order id that is not
+    a UUID or an empty customer raise MalformedEventError naming the field (the consumer
+    dead-letters it at once); the wallet, the payments and the outbox are untouched. Before:
+    a negative amount was "paid" and credited the wallet."""
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from example_services._events import MalformedEventError
+    from example_services.payments._handlers import pay_order, payment_writer
+
+    customer = f"c-{uuid.uuid4().hex[:8]}"
+    assert (
+        await payments.post(
+            f"/wallets/{customer}/top-up",
+            json={"amount": "10.00"},
+            headers={"Idempotency-Key": f"m-{customer}"},
+        )
+    ).status_code == 201
+    good = order_placed(customer, "1.00")
+    bad = order_placed(customer, "1.00")
+    bad = bad.model_copy(update={"payload": {**bad.payload, **change}})
+    if change.get(field, "") is None:
+        del bad.payload[field]  # absent, not null
+    async_engine = create_async_engine(payment_tables)
+    try:
+        with pytest.raises(MalformedEventError, match=field) as raised:
+            async with AsyncSession(async_engine) as session, session.begin():
+                await pay_order(session, bad, payment_writer("t.payments"), [good, bad])
+        # The batch's other event is still paid on its own.
+        async with AsyncSession(async_engine) as session, session.begin():
+            await pay_order(session, good, payment_writer("t.payments"), [good, bad])
+    finally:
+        await async_engine.dispose()
+    message = str(raised.value)
+    assert "\n" not in message and "OrderPlaced" in message and str(bad.event_id) in message
+    wallet = (await payments.get(f"/wallets/{customer}")).json()
+    assert (wallet["balance"], wallet["version"]) == ("9.00", 2)  # top-up + the good debit
+    assert (await payments.get(f"/payments/{bad.payload.get('order_id')}")).status_code in (
+        404,
+        422,
+    )
+
+
+async def test_a_malformed_payment_result_is_refused(
+    orders: httpx.AsyncClient, database_url: str
+) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from example_services._events import MalformedEventError
+    from example_services.orders._handlers import apply_payment_result
+
+    result = order_placed("c-bad", "1.00").model_copy(update={"event_type": "PaymentSucceeded"})
+    result.payload["order_id"] = "not-a-uuid"
+    async_engine = create_async_engine(database_url)
+    try:
+        with pytest.raises(MalformedEventError, match="order_id"):
+            async with AsyncSession(async_engine) as session, session.begin():
+                await apply_payment_result(session, result, [result])
+    finally:
+        await async_engine.dispose()
+
+
+@pytest.mark.parametrize("service", ["orders", "payments"])
+def test_the_example_consumers_dead_letter_a_malformed_event_at_once(service: str) -> None:
+    """MalformedEventError is the event's fault: dead-lettered on the first attempt, not
+    retried ``max_attempts`` times (30 for the payment consumer)."""
+    from example_services._events import MalformedEventError
+    from example_services.orders.consumer import create_consumer as order_consumer
+    from example_services.payments.consumer import create_consumer as payment_consumer
+    from ledgerbox._core.faults import Fault
+    from ledgerbox.inbox._policy import classify
+
+    settings = ServiceSettings(database_url="postgresql+psycopg://u:p@127.0.0.1:1/x")
+    consumer = (order_consumer if service == "orders" else payment_consumer)(settings)
+    verdict = classify(
+        MalformedEventError("OrderPlaced e: payload invalid"),
+        retry_on=consumer.config.retry_on,
+        dead_letter_on=consumer.config.dead_letter_on,
+    )
+    assert verdict is Fault.MESSAGE
