@@ -302,6 +302,11 @@ class InboxConsumer:
         the whole run back and its records go through :meth:`process_record` one by one
         (retries, dead-lettering). Guarantees are those of :meth:`process_record`.
 
+        For callers that drive their own Kafka loop (and tests). :meth:`run` does not call
+        it: its partition workers call the same pipeline with batches that may span
+        partitions (``batch_across_partitions``), so overriding this method does not change
+        what :meth:`run` does (the handlers are the extension point).
+
         Returns
         -------
         list[Outcome]
