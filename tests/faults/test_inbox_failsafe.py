@@ -18,6 +18,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import pytest_asyncio
 import sqlalchemy as sa
@@ -25,7 +26,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from sqlalchemy import Engine, create_engine, make_url
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ledgerbox import migrations
+from ledgerbox import ConfigurationError, migrations
+from ledgerbox._core.database_url import libpq_url
 from ledgerbox.inbox import (
     ConsumerConfig,
     HandlerContext,
@@ -223,6 +225,7 @@ async def _c15(
     cause: str,
     started_broken: bool = False,
     consumer_url: str | None = None,
+    consumer_settings: dict[str, Any] | None = None,
 ) -> None:
     """The C15 scenario: 50 records wait while the environment is broken; nothing is
     dead-lettered or committed past an unapplied record, health is down naming ``cause``;
@@ -231,7 +234,9 @@ async def _c15(
     dlq = await new_topic.acreate("fs-c15-dlq", partitions=1)
     group = f"c15-{uuid.uuid4().hex[:8]}"
     caplog.set_level(logging.INFO, logger="ledgerbox.inbox")
-    consumer = make_consumer(consumer_url or url, bootstrap, topic, group, dlq)
+    consumer = make_consumer(
+        consumer_url or url, bootstrap, topic, group, dlq, **(consumer_settings or {})
+    )
     warm = 0
     if started_broken:
         result = break_it()
@@ -396,6 +401,70 @@ async def test_failsafe_01_c15_database_turned_read_only(
         fix_it=writable,
         cause="read-only transaction",
     )
+
+
+async def test_failsafe_01_c15_a_lock_another_session_holds(
+    migrated_db: str,
+    kafka_bootstrap: str,
+    new_topic: Any,
+    running: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A session holds a lock the handler's write needs and stays idle in its transaction
+    (someone's psql, a migration waiting for its turn). The handler's statement waits at
+    most ``db_lock_timeout_ms``, then the partition stops at that record with health
+    ``down`` naming the lock wait, nothing dead-lettered; the lock released, all applied.
+    Before: the handler waited for as long as the lock was held, health ``ok``."""
+    blocker = psycopg.connect(libpq_url(migrated_db), autocommit=False)
+    try:
+
+        def lock() -> None:
+            blocker.execute("LOCK TABLE fs_payments IN SHARE MODE")  # blocks INSERTs
+
+        await _c15(
+            migrated_db,
+            kafka_bootstrap,
+            new_topic,
+            running,
+            caplog,
+            consumer_settings={"db_lock_timeout_ms": 300},
+            break_it=lock,
+            fix_it=blocker.rollback,
+            cause="lock timeout (another session holds a lock this transaction needs",
+        )
+    finally:
+        blocker.close()
+
+
+async def test_db_lock_timeout_is_set_on_the_consumers_connections_and_the_urls_own_wins(
+    migrated_db: str,
+) -> None:
+    """Default 10 s on the engines the consumer builds; a ``lock_timeout`` in the URL's
+    ``options`` is the user's choice and wins; ``None`` leaves the server's setting."""
+
+    async def shown(url: str, **settings: Any) -> tuple[str, str]:
+        consumer = make_consumer(url, "127.0.0.1:9", "t", "g", "t.dlq", **settings)
+        try:
+            async with consumer.async_engine.connect() as conn:
+                timeout = await conn.execute(sa.text("SHOW lock_timeout"))
+                path = await conn.execute(sa.text("SHOW search_path"))
+                return str(timeout.scalar_one()), str(path.scalar_one())
+        finally:
+            await consumer.aclose()
+
+    default_path = (await shown(migrated_db))[1]
+    assert await shown(migrated_db) == ("10s", default_path)
+    assert await shown(migrated_db, db_lock_timeout_ms=250) == ("250ms", default_path)
+    assert (await shown(migrated_db, db_lock_timeout_ms=None))[0] == "0"
+    own = make_url(migrated_db).update_query_dict(
+        {"options": "-c lock_timeout=1234 -c search_path=public,extensions"}
+    )
+    assert await shown(own.render_as_string(hide_password=False)) == (
+        "1234ms",
+        "public,extensions",
+    )
+    with pytest.raises(ConfigurationError, match="db_lock_timeout_ms"):
+        make_consumer(migrated_db, "127.0.0.1:9", "t", "g", "t.dlq", db_lock_timeout_ms=0)
 
 
 class DroppingPublisher(InMemoryDeadLetterPublisher):
