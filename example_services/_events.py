@@ -9,23 +9,44 @@ for it. The dead-letter topic keeps the record for whoever owns the producer; re
 would fail the same way, so the remedy is a corrected event from the producer, then ``ledgerbox
 consumer dlq discard`` (docs/operations.md).
 
-The rules are the order API's (``PlaceOrder`` in ``example_services/orders/api.py``): an
-amount is a positive decimal with at most 12 digits, 2 after the point (the ``Numeric(12,
-2)`` columns of both services: a third place would be rounded by the database while the
-event carried the unrounded amount), customer ids are 1-64 characters.
+The rules are the APIs' own (:data:`CustomerId`, :data:`Amount`, used by ``PlaceOrder`` in
+``example_services/orders/api.py`` and the payment API too): an amount is a positive decimal
+with at most 12 digits, 2 after the point (the ``Numeric(12, 2)`` columns of both services: a
+third place would be rounded by the database while the event carried the unrounded amount),
+a customer id 1-64 characters of letters, digits and ``_.:-``.
 """
 
 from __future__ import annotations
 
 import uuid
 from decimal import Decimal
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ledgerbox.outbox import EventEnvelope
 
-__all__ = ["MalformedEventError", "OrderPlacedPayload", "PaymentResultPayload", "parse_payload"]
+__all__ = [
+    "CUSTOMER_ID_PATTERN",
+    "Amount",
+    "CustomerId",
+    "MalformedEventError",
+    "OrderPlacedPayload",
+    "PaymentResultPayload",
+    "parse_payload",
+]
+
+
+#: What a customer id may hold: the order API's body, the payment API's path and the
+#: ``OrderPlaced`` payload share it, so the consumer never refuses an order the API took.
+CUSTOMER_ID_PATTERN = r"^[A-Za-z0-9_.:-]+$"
+
+#: A customer id: 1-64 characters of :data:`CUSTOMER_ID_PATTERN`.
+CustomerId = Annotated[str, Field(min_length=1, max_length=64, pattern=CUSTOMER_ID_PATTERN)]
+
+#: A money amount: positive, at most 12 digits, 2 after the point (the ``Numeric(12, 2)``
+#: columns), finite.
+Amount = Annotated[Decimal, Field(gt=0, max_digits=12, decimal_places=2, allow_inf_nan=False)]
 
 
 class MalformedEventError(ValueError):
@@ -42,8 +63,8 @@ class OrderPlacedPayload(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     order_id: uuid.UUID
-    customer_id: str = Field(min_length=1, max_length=64)
-    amount: Decimal = Field(gt=0, max_digits=12, decimal_places=2, allow_inf_nan=False)
+    customer_id: CustomerId
+    amount: Amount
 
 
 class PaymentResultPayload(BaseModel):

@@ -16,17 +16,17 @@ from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
 from ledgerbox._core.redis_url import check_redis_url
 
 __all__ = [
-    "DB_LOCK_TIMEOUT_MS",
     "DEFAULT_RETENTION_S",
+    "STALLED_AFTER_S",
     "STOP_TIMEOUT_S",
     "ConsumerConfig",
     "OnUnhandled",
 ]
 
-#: Default of ``ConsumerConfig.db_lock_timeout_ms``, in ms: far longer than the lock waits of
-#: healthy traffic (another consumer's transaction holds a row for milliseconds), short
-#: enough that a partition stalled behind a forgotten transaction shows in health.
-DB_LOCK_TIMEOUT_MS = 10_000
+#: Default of ``ConsumerConfig.stalled_after_s``, in seconds: far longer than a healthy
+#: batch (milliseconds to a few seconds with retries), short enough that a partition stalled
+#: behind a forgotten transaction shows in health within a minute.
+STALLED_AFTER_S = 30.0
 
 #: Default of ``ConsumerConfig.stop_timeout_s``, in seconds: the longest a stop waits for
 #: Kafka. A consumer stopped during a Kafka outage exits in about this long, far inside
@@ -159,17 +159,14 @@ class ConsumerConfig:
         delivered again after the restart); an offset Kafka did not take by then is not
         committed and its records are delivered again after the restart, recognised by the
         inbox (never applied twice). With Kafka up a stop finishes long before.
-    db_lock_timeout_ms : int | None
-        PostgreSQL ``lock_timeout`` of the connections the consumer opens, in ms (default
-        :data:`DB_LOCK_TIMEOUT_MS`, 10 s): a statement of a transaction (the inbox insert, a
-        handler's write) that waits longer for a lock another session holds is cancelled;
-        that is a fault of the environment: the transaction rolls back, the partition stops
-        at its record with health ``down`` ("lock timeout"), never dead-lettered, and it is
-        retried until the lock is released (docs/inbox.md, "Errors and retries"). Without
-        it a session left idle in its transaction stalls the partition silently, health
-        ``ok``. ``None``: the server's setting (PostgreSQL's default waits without bound). A
-        ``lock_timeout`` in the URL's ``options`` wins. Engines passed to
-        :class:`inbox.InboxConsumer` are used as they are.
+    stalled_after_s : float | None
+        A partition whose batch has been running this long, in seconds (default
+        :data:`STALLED_AFTER_S`, 30), turns health ``down`` naming the partition and the
+        offset, until the batch ends: a handler that waits on a lock another transaction
+        holds (a session idle in transaction, a migration queued for an exclusive lock), a
+        slow call in a handler, retries that do not end. Nothing is cancelled: the batch
+        goes on when the wait ends (to cancel lock waits, set PostgreSQL's ``lock_timeout``:
+        docs/inbox.md, "A partition that stalls"). ``None``: no such check.
 
     Raises
     ------
@@ -215,7 +212,7 @@ class ConsumerConfig:
     client_id: str | None = None
     redis_key_prefix: str = "ledgerbox:"
     stop_timeout_s: float = STOP_TIMEOUT_S
-    db_lock_timeout_ms: int | None = DB_LOCK_TIMEOUT_MS
+    stalled_after_s: float | None = STALLED_AFTER_S
     _backoff: Backoff = field(init=False, repr=False, compare=False)
     _kafka: KafkaSettings = field(init=False, repr=False, compare=False)
 
@@ -274,14 +271,8 @@ class ConsumerConfig:
             check_duration(getattr(self, name), name, low_open=True)
         if self.in_progress_ttl_ms is not None and self.in_progress_ttl_ms <= 0:
             raise ConfigurationError("in_progress_ttl_ms must be > 0 or None")
-        if self.db_lock_timeout_ms is not None and not (
-            type(self.db_lock_timeout_ms) is int and 0 < self.db_lock_timeout_ms < 2**31
-        ):
-            raise ConfigurationError(
-                f"db_lock_timeout_ms must be a whole number of ms in 1..2147483647 or None,"
-                f" got {self.db_lock_timeout_ms!r}",
-                setting="db_lock_timeout_ms",
-            )
+        if self.stalled_after_s is not None:
+            check_duration(self.stalled_after_s, "stalled_after_s", low_open=True)
         if self.lock_wait_ms is not None and self.lock_wait_ms < 0:
             raise ConfigurationError("lock_wait_ms must be >= 0 or None")
         if self.auto_offset_reset not in ("earliest", "latest"):

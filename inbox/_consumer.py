@@ -24,12 +24,11 @@ import time
 import types
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from ledgerbox._core.database_url import connect_args, server_options, sqlalchemy_url
+from ledgerbox._core.database_url import connect_args, sqlalchemy_url
 from ledgerbox._core.durations import check_duration
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.faults import PermanentVerdict
@@ -191,7 +190,8 @@ class InboxConsumer:
         """The async engine (built on first use)."""
         if self._async_engine is None:
             self._async_engine = create_async_engine(
-                sqlalchemy_url(self.config.database_url), connect_args=self._connect_args()
+                sqlalchemy_url(self.config.database_url),
+                connect_args=connect_args(self.config.database_url),
             )
             discard_on_environment_faults(self._async_engine.sync_engine)
         return self._async_engine
@@ -201,18 +201,11 @@ class InboxConsumer:
         """The sync engine for sync handlers (built on first use)."""
         if self._engine is None:
             self._engine = create_engine(
-                sqlalchemy_url(self.config.database_url), connect_args=self._connect_args()
+                sqlalchemy_url(self.config.database_url),
+                connect_args=connect_args(self.config.database_url),
             )
             discard_on_environment_faults(self._engine)
         return self._engine
-
-    def _connect_args(self) -> dict[str, Any]:
-        url = self.config.database_url
-        args = connect_args(url)
-        if self.config.db_lock_timeout_ms is not None:
-            timeout = {"lock_timeout": f"{self.config.db_lock_timeout_ms}ms"}
-            args["options"] = server_options(url, timeout)
-        return args
 
     def _open_tx(self, is_async: bool) -> Tx:
         # A new session per transaction: it only borrows a pooled connection.

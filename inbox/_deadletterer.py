@@ -47,10 +47,11 @@ def stall_cause(record: Record, error: BaseException) -> str:
     """The one-line cause of health ``down`` for a partition stopped at ``record``."""
     text = str(error).strip().splitlines()
     detail = text[0] if text else type(error).__name__
-    if getattr(error, "sqlstate", None) == "55P03":  # lock_not_available: db_lock_timeout_ms
+    if getattr(error, "sqlstate", None) == "55P03":  # lock_not_available (lock_timeout)
         detail += (
-            " (another session holds a lock this transaction needs: look for a session"
-            " 'idle in transaction' in pg_stat_activity; retried until it is released)"
+            " (the lock_timeout ran out: another transaction holds a lock this one needs -"
+            " a session 'idle in transaction', a migration, another consumer's slow handler;"
+            " retried until it is released)"
         )
     return (
         f"partition {record.topic}[{record.partition}] stopped at offset {record.offset}: {detail}"

@@ -201,6 +201,8 @@ class KafkaRunner:
         # partition, and the current bound (FETCH_STALL_S, doubled per stall replacement).
         self._polled: dict[TopicPartition, tuple[int, float]] = {}
         self._stall_bound_s = FETCH_STALL_S
+        # Partitions whose batch is reported as stalled (batch_stalls / report_stalls).
+        self._stalled: set[TopicPartition] = set()
 
     @property
     def lending(self) -> bool:
@@ -276,6 +278,7 @@ class KafkaRunner:
             grace = self.kafka_grace if failure is None else retire
             grace.set()
             await self.close_workers(list(self.workers))
+            self.report_stalls({})  # the batches ended (or were given up)
             for task in background:
                 task.cancel()
             for task in background:
@@ -345,6 +348,7 @@ class KafkaRunner:
             if time.monotonic() >= next_lag:
                 next_lag = time.monotonic() + LAG_REFRESH_S
                 await self.refresh_lag(kafka)
+                self.report_stalls(self.batch_stalls())
                 if (stall := self.fetch_stall(kafka)) is not None:
                     self._stall_bound_s = min(2 * self._stall_bound_s, FETCH_STALL_MAX_S)
                     raise KafkaClientFailed(stall, "no_fetch_response")
@@ -415,6 +419,40 @@ class KafkaRunner:
         if waiting and answered == waiting:
             self._stall_bound_s = FETCH_STALL_S
         return None
+
+    def batch_stalls(self, now: float | None = None) -> dict[TopicPartition, str]:
+        """The workers whose batch has been running longer than ``stalled_after_s``, each
+        with its one-line cause; empty when the check is off. ``now``: ``time.monotonic()``
+        unless given (tests)."""
+        bound_s = self.config.stalled_after_s
+        if bound_s is None:
+            return {}
+        now = time.monotonic() if now is None else now
+        stalls: dict[TopicPartition, str] = {}
+        for tp, worker in list(self.workers.items()):
+            if worker.busy_since is None or now - worker.busy_since <= bound_s:
+                continue
+            where = ", ".join(
+                f"{t}[{p}] from offset {o}" for (t, p), o in worker.batch_from.items()
+            )
+            stalls[tp] = (
+                f"a batch has been running for {now - worker.busy_since:.0f} s ({where}):"
+                " a handler waits for a lock another transaction holds (look for a session"
+                " 'idle in transaction' or waiting on a Lock in pg_stat_activity) or is slow,"
+                " or its retries go on; it goes on when the wait ends"
+            )
+        return stalls
+
+    def report_stalls(self, stalls: dict[TopicPartition, str]) -> None:
+        """Health ``down`` for each stalled batch (:meth:`batch_stalls`), cleared once it
+        ended (or its worker is gone)."""
+        health = self.deps.health
+        for tp in self._stalled - stalls.keys():
+            worker = self.workers.get(tp)
+            health.clear(("stalled", tp), resolved=worker is not None and not worker.closing)
+        for tp, cause in stalls.items():
+            health.fault(("stalled", tp), cause)
+        self._stalled = set(stalls)
 
     def start_workers(self, partitions: Sequence[TopicPartition] | set[TopicPartition]) -> None:
         """Start a worker for each partition that has none."""
@@ -573,6 +611,10 @@ class _PartitionWorker:
         # time.monotonic() when its last batch ended (or it started): once its queue is
         # empty the worker waits on Kafka from then on (KafkaRunner.fetch_stall).
         self.idle_since = time.monotonic()
+        # While it runs a batch: time.monotonic() when it started, and the batch's
+        # partitions with their first offsets (KafkaRunner.batch_stalls).
+        self.busy_since: float | None = None
+        self.batch_from: dict[tuple[str, int], int] = {}
         self._wake = asyncio.Event()
         self.task = asyncio.create_task(self._run(), name=f"inbox-{tp.topic}-{tp.partition}")
 
@@ -616,6 +658,10 @@ class _PartitionWorker:
                         other.lent = True
                         records += other._take(limit - len(records))
                         parts[(other.tp.topic, other.tp.partition)] = other
+            self.busy_since = time.monotonic()
+            self.batch_from = {}
+            for record in records:
+                self.batch_from.setdefault((record.topic, record.partition), record.offset)
             try:
                 outcomes = await runner.process_batch(
                     records,
@@ -651,6 +697,10 @@ class _PartitionWorker:
         # partition's queue (unless it is closing: the next owner reads them from the
         # commit), and the lent workers are free again (no await in between).
         now = time.monotonic()
+        self.busy_since = None
+        if self.tp in self.runner._stalled:  # reported as stalled: it ended (or gave up)
+            self.runner._stalled.discard(self.tp)
+            self.runner.deps.health.clear(("stalled", self.tp), resolved=not self.closing)
         for key, part in parts.items():
             back = [r for r in rest if (r.topic, r.partition) == key]
             if back and not part.closing:

@@ -139,16 +139,20 @@ async def create_topic(
     bootstrap: str, name: str, configs: dict[str, str], *, partitions: int = 1
 ) -> None:
     """Create ``name`` with topic-level ``configs`` (``max.message.bytes``, ...); deleted when
-    the test session ends."""
-    delete_at_session_end(bootstrap, name)
+    the test session ends. Raises RuntimeError if Kafka refused (e.g. the topic exists: a
+    topic this session did not create is never registered for deletion)."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        await admin.create_topics(
+        response = await admin.create_topics(
             [NewTopic(name, num_partitions=partitions, replication_factor=1, topic_configs=configs)]
         )
     finally:
         await admin.close()
+    for topic_error in response.topic_errors:
+        if topic_error[1] != 0:
+            raise RuntimeError(f"CreateTopics {name}: {topic_error}")
+    delete_at_session_end(bootstrap, name)
 
 
 def writer_for(topic: str, source: str = "/relay-tests") -> OutboxWriter:

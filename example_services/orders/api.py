@@ -28,6 +28,7 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from example_services._config import ServiceSettings
+from example_services._events import Amount, CustomerId
 from example_services._http import service_app, validate_idempotency_key
 from example_services.orders._models import OrderStatus, metadata, orders
 from ledgerbox.outbox import EventEnvelope, OutboxWriter, Staged, TopicRouter, idempotency_key
@@ -171,8 +172,8 @@ class PlaceOrder(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    customer_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
-    amount: Decimal = Field(gt=0, max_digits=12, decimal_places=2)
+    customer_id: CustomerId
+    amount: Amount
     currency: str = Field(default="EUR", pattern=r"^[A-Z]{3}$")
 
 

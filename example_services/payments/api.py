@@ -21,17 +21,18 @@ from typing import Annotated, Any
 
 import sqlalchemy as sa
 from fastapi import FastAPI, Header, HTTPException, Path, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from example_services._config import ServiceSettings
+from example_services._events import CUSTOMER_ID_PATTERN, Amount
 from example_services._http import service_app, validate_idempotency_key
 from example_services.payments._models import metadata, payments, wallet_topups, wallets
 from ledgerbox.outbox import idempotency_key
 
 __all__ = ["TopUp", "create_app"]
 
-CustomerId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+CustomerId = Annotated[str, Path(min_length=1, max_length=64, pattern=CUSTOMER_ID_PATTERN)]
 
 
 class _Replay(Exception):
@@ -43,7 +44,7 @@ class TopUp(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    amount: Decimal = Field(gt=0, max_digits=12, decimal_places=2)
+    amount: Amount
 
 
 class TopUpOut(BaseModel):

@@ -30,7 +30,6 @@ __all__ = [
     "database_remedy",
     "libpq_url",
     "refused_login",
-    "server_options",
     "sqlalchemy_url",
 ]
 
@@ -206,25 +205,6 @@ def connect_args(url: str, environ: Mapping[str, str] | None = None) -> dict[str
     if not env.get("PGCONNECT_TIMEOUT") and "connect_timeout" not in given:
         args["connect_timeout"] = CONNECT_TIMEOUT_S
     return args
-
-
-def server_options(url: str, settings: Mapping[str, str]) -> str:
-    """libpq ``options`` for a connection SQLAlchemy opens for ``url``: ``-c name=value`` for
-    each of ``settings``, then the URL's own ``options`` query parameter (the ``options``
-    keyword in ``connect_args`` replaces the URL's value, so it is carried over; PostgreSQL
-    applies them in order, so a setting the URL gives wins over ours). No I/O; a URL that
-    cannot be parsed adds nothing of its own (check_database_url reports it)."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        given = make_url(sqlalchemy_url(url)).query.get("options") or ""
-    except (ArgumentError, ValueError):
-        given = ""
-    if not isinstance(given, str):  # ?options=...&options=...: libpq takes the last
-        given = given[-1]
-    ours = [f"-c {name}={value}" for name, value in settings.items()]
-    return " ".join([*ours, given] if given else ours)
 
 
 def database_label(url: str) -> str:

@@ -403,19 +403,29 @@ async def test_failsafe_01_c15_database_turned_read_only(
     )
 
 
+@pytest.mark.parametrize("lock_timeout", [None, "300ms"], ids=["stall-check", "lock-timeout"])
 async def test_failsafe_01_c15_a_lock_another_session_holds(
     migrated_db: str,
     kafka_bootstrap: str,
     new_topic: Any,
     running: Any,
     caplog: pytest.LogCaptureFixture,
+    lock_timeout: str | None,
 ) -> None:
     """A session holds a lock the handler's write needs and stays idle in its transaction
-    (someone's psql, a migration waiting for its turn). The handler's statement waits at
-    most ``db_lock_timeout_ms``, then the partition stops at that record with health
-    ``down`` naming the lock wait, nothing dead-lettered; the lock released, all applied.
-    Before: the handler waited for as long as the lock was held, health ``ok``."""
+    (someone's psql, a migration waiting for its turn). Health goes ``down`` naming the
+    partition and the lock, nothing is dead-lettered, nothing committed past the record;
+    the lock released, all applied once. Without a ``lock_timeout`` the batch waits and the
+    stall check (``stalled_after_s``) reports it (before: health stayed ``ok`` for as long
+    as the lock was held); with the user's ``lock_timeout`` (URL ``options``) the wait is
+    cancelled and retried, and the cause says what ran out."""
     blocker = psycopg.connect(libpq_url(migrated_db), autocommit=False)
+    consumer_url = migrated_db
+    if lock_timeout is not None:
+        options = {"options": f"-c lock_timeout={lock_timeout}"}
+        consumer_url = (
+            make_url(migrated_db).update_query_dict(options).render_as_string(hide_password=False)
+        )
     try:
 
         def lock() -> None:
@@ -427,44 +437,30 @@ async def test_failsafe_01_c15_a_lock_another_session_holds(
             new_topic,
             running,
             caplog,
-            consumer_settings={"db_lock_timeout_ms": 300},
+            consumer_url=consumer_url,
+            consumer_settings={"stalled_after_s": 1.0},
             break_it=lock,
             fix_it=blocker.rollback,
-            cause="lock timeout (another session holds a lock this transaction needs",
+            cause=(
+                "a batch has been running for"
+                if lock_timeout is None
+                else "lock timeout (the lock_timeout ran out: another transaction holds a lock"
+            ),
         )
     finally:
         blocker.close()
 
 
-async def test_db_lock_timeout_is_set_on_the_consumers_connections_and_the_urls_own_wins(
-    migrated_db: str,
-) -> None:
-    """Default 10 s on the engines the consumer builds; a ``lock_timeout`` in the URL's
-    ``options`` is the user's choice and wins; ``None`` leaves the server's setting."""
-
-    async def shown(url: str, **settings: Any) -> tuple[str, str]:
-        consumer = make_consumer(url, "127.0.0.1:9", "t", "g", "t.dlq", **settings)
-        try:
-            async with consumer.async_engine.connect() as conn:
-                timeout = await conn.execute(sa.text("SHOW lock_timeout"))
-                path = await conn.execute(sa.text("SHOW search_path"))
-                return str(timeout.scalar_one()), str(path.scalar_one())
-        finally:
-            await consumer.aclose()
-
-    default_path = (await shown(migrated_db))[1]
-    assert await shown(migrated_db) == ("10s", default_path)
-    assert await shown(migrated_db, db_lock_timeout_ms=250) == ("250ms", default_path)
-    assert (await shown(migrated_db, db_lock_timeout_ms=None))[0] == "0"
-    own = make_url(migrated_db).update_query_dict(
-        {"options": "-c lock_timeout=1234 -c search_path=public,extensions"}
+def test_stalled_after_s_is_checked() -> None:
+    url = "postgresql+psycopg://u:p@127.0.0.1:5433/x"
+    assert make_consumer(url, "127.0.0.1:9", "t", "g", "t.dlq").config.stalled_after_s == 30.0
+    for bad in (0, -1.0, float("nan"), float("inf"), "soon"):
+        with pytest.raises(ConfigurationError, match="stalled_after_s"):
+            make_consumer(url, "127.0.0.1:9", "t", "g", "t.dlq", stalled_after_s=bad)
+    assert (
+        make_consumer(url, "h:9", "t", "g", "d", stalled_after_s=None).config.stalled_after_s
+        is None
     )
-    assert await shown(own.render_as_string(hide_password=False)) == (
-        "1234ms",
-        "public,extensions",
-    )
-    with pytest.raises(ConfigurationError, match="db_lock_timeout_ms"):
-        make_consumer(migrated_db, "127.0.0.1:9", "t", "g", "t.dlq", db_lock_timeout_ms=0)
 
 
 class DroppingPublisher(InMemoryDeadLetterPublisher):

@@ -746,6 +746,11 @@ async def test_late_payment_result_never_moves_an_order_backwards(
         ({"order_id": "not-a-uuid"}, "order_id"),
         ({"customer_id": ""}, "customer_id"),
         ({"customer_id": None}, "customer_id"),
+        # What the order API refuses, the consumer refuses too (one CustomerId). (A NUL
+        # never gets here: an envelope refuses it, its record is unparseable.)
+        ({"customer_id": " "}, "customer_id"),
+        ({"customer_id": "\u00fc"}, "customer_id"),
+        ({"customer_id": 17}, "customer_id"),
     ],
     ids=lambda v: str(v) if isinstance(v, str) else "-".join(f"{k}={w}" for k, w in v.items()),
 )
