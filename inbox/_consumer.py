@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import inspect
 import logging
 import time
@@ -25,16 +26,17 @@ import types
 import uuid
 from collections.abc import Callable, Sequence
 
+import sqlalchemy as sa
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ledgerbox._core.database_url import connect_args, sqlalchemy_url
 from ledgerbox._core.durations import check_duration
-from ledgerbox._core.errors import ConfigurationError
+from ledgerbox._core.errors import ConfigurationError, DatabaseError
 from ledgerbox._core.faults import PermanentVerdict
 from ledgerbox._core.stop import StopSignal
 from ledgerbox.inbox._batch import BatchPipeline
-from ledgerbox.inbox._checks import check_consumer
+from ledgerbox.inbox._checks import CheckResult, check_consumer
 from ledgerbox.inbox._config import ConsumerConfig
 from ledgerbox.inbox._deadletter import DeadLetterPublisher, KafkaDeadLetterPublisher
 from ledgerbox.inbox._deadletterer import DeadLetterer
@@ -67,6 +69,16 @@ _log = logging.getLogger("ledgerbox.inbox")
 
 #: Longest wait between two startup checks while one fails, in seconds.
 STARTUP_RETRY_MAX_S = 5.0
+
+
+#: The identity of an inbox (InboxConsumer._bind_hints): the cluster's system identifier,
+#: the database's OID, the inbox table's OID (``:inbox``, resolved as the consumer's own
+#: statements resolve it). pg_control_system() is executable by every role.
+INBOX_IDENTITY = sa.text(
+    "SELECT s.system_identifier::text AS sysid, d.oid::text AS db,"
+    " to_regclass(:inbox)::oid::text AS inbox"
+    " FROM pg_control_system() AS s, pg_database AS d WHERE d.datname = current_database()"
+)
 
 
 class InboxConsumer:
@@ -122,7 +134,8 @@ class InboxConsumer:
             )
         self._redis_client = client
         if dedup is None and client is not None:
-            dedup = RedisDedupStore(client, config.redis_key_prefix)
+            # Scoped to this inbox at the start of run (_bind_hints): before, no hint.
+            dedup = RedisDedupStore(client, config.redis_key_prefix, scoped=True)
         if lock is None and client is not None and config.lock_aggregates:
             lock = RedisAggregateLock(client, config.redis_key_prefix)
         self.dedup = dedup
@@ -289,6 +302,7 @@ class InboxConsumer:
             redelivery or copy of a dead-lettered event: final), ``IGNORED`` or
             ``ABANDONED``.
         """
+        await self._hints_bound()
         return await self._messages.process(record, abandon or never)
 
     async def process_batch(
@@ -312,6 +326,7 @@ class InboxConsumer:
         list[Outcome]
             One outcome per record, in order; it stops after the first ``ABANDONED``.
         """
+        await self._hints_bound()
         return await self._batches.process(records, abandon or never)
 
     # -- retention ------------------------------------------------------------------------
@@ -423,12 +438,49 @@ class InboxConsumer:
             self._runner = None
             await self.aclose()
 
+    async def _bind_hints(self) -> str | None:
+        """Scope the Redis hint keys this consumer built to its inbox (RedisDedupStore):
+        the system identifier of the PostgreSQL cluster, the OIDs of the database and of the
+        inbox table, as a short digest. Another deployment sharing Redis and the group name,
+        a database restored into a new cluster, an inbox table dropped and created again:
+        each gets other keys, so no "done" hint of another inbox is believed. Returns the
+        cause, one line, when the database did not answer; None when bound (or nothing to
+        bind)."""
+        dedup = self.dedup
+        if not isinstance(dedup, RedisDedupStore) or not dedup.scoped:
+            return None
+        try:
+            async with self.async_engine.connect() as conn:
+                row = (
+                    await conn.execute(INBOX_IDENTITY, {"inbox": self.table.qualified_name})
+                ).one()
+        except Exception as exc:
+            error = DatabaseError.translate(exc, "connect")
+            if error is None:
+                raise
+            return f"database unreachable while reading the inbox's identity: {error}"
+        if row.inbox is None:
+            name = self.table.qualified_name
+            return f"inbox table {name!r} does not exist: run ledgerbox migrate"
+        identity = f"{row.sysid}:{row.db}:{row.inbox}"
+        dedup.bind(hashlib.blake2b(identity.encode(), digest_size=8).hexdigest())
+        return None
+
+    async def _hints_bound(self) -> None:
+        # Callers driving their own loop (process_record / process_batch without run): bind
+        # the hints on first use; while the database does not answer they stay off.
+        dedup = self.dedup
+        if isinstance(dedup, RedisDedupStore) and dedup.scoped and dedup.scope is None:
+            await self._bind_hints()
+
     async def _until_ready(self) -> None:
         retry = 0
         confirm = PermanentVerdict()  # a restarting server looks like a refused login once
         try:
             while not self._stop_requested:
                 result = await check_consumer(self.config, check_redis=False)
+                if result.state != "down" and (cause := await self._bind_hints()) is not None:
+                    result = CheckResult("down", cause)
                 if result.state != "down":
                     self._health.clear("startup")
                     return

@@ -233,7 +233,17 @@ class AggregateLock(Protocol):
 
 
 class RedisDedupStore:
-    """:class:`DedupStore` on Redis. Keys: ``<prefix>inbox:<group>:done|busy:<event id>``.
+    """:class:`DedupStore` on Redis. Keys: ``<prefix>inbox:<group>:done|busy:<event id>``,
+    or, scoped to one inbox, ``<prefix>inbox:<scope>:<group>:done|busy:<event id>``.
+
+    A "done" key is believed: the consumer skips the event. So it must only ever be read by
+    the inbox that wrote it: two deployments that share a Redis and a group name (another
+    environment, another tenant's database) or a database restored into a new cluster must
+    not see each other's keys. :class:`inbox.InboxConsumer` builds its store with
+    ``scoped=True`` and, at the start of ``run``, :meth:`bind` s it to the identity of its
+    inbox (the PostgreSQL system identifier, the database's and the inbox table's OIDs);
+    until then the store knows nothing and writes nothing (every event goes to the
+    database, which decides anyway: G4, G6).
 
     Parameters
     ----------
@@ -241,35 +251,56 @@ class RedisDedupStore:
         See :func:`redis_client` for one with short timeouts.
     prefix : str
         Key prefix (namespace), e.g. ``"ledgerbox:"``.
+    scoped : bool
+        ``True``: keys carry the scope given to :meth:`bind`; no hint is read or written
+        before. ``False`` (a store used on its own): keys without a scope.
     """
 
-    def __init__(self, client: Redis, prefix: str = "ledgerbox:") -> None:
+    def __init__(self, client: Redis, prefix: str = "ledgerbox:", *, scoped: bool = False) -> None:
         self.client = client
         self.prefix = prefix
+        self.scoped = scoped
+        self.scope: str | None = None
         self._unclaim = client.register_script(RELEASE_LUA)
         self._claim = client.register_script(CLAIM_LUA)
         self._mark_done = client.register_script(MARK_DONE_LUA)
 
+    def bind(self, scope: str) -> None:
+        """Scope the keys to one inbox (``scope``: letters, digits, ``-``); a scoped store
+        reads and writes hints only from then on."""
+        self.scope = scope
+
+    @property
+    def ready(self) -> bool:
+        """Hints may be read and written (unscoped, or bound)."""
+        return not self.scoped or self.scope is not None
+
     def _key(self, kind: str, group: str, event_id: uuid.UUID) -> str:
+        if self.scope is not None:
+            return f"{self.prefix}inbox:{self.scope}:{group}:{kind}:{event_id}"
         return f"{self.prefix}inbox:{group}:{kind}:{event_id}"
 
     async def is_done(self, group: str, event_id: uuid.UUID) -> bool:
+        if not self.ready:
+            return False
         key = self._key("done", group, event_id)
         return bool(await _guard(lambda: self.client.exists(key)))
 
     async def mark_done(self, group: str, event_id: uuid.UUID, ttl_s: float) -> None:
+        if not self.ready:
+            return
         key = self._key("done", group, event_id)
         await _guard(lambda: self.client.set(key, b"1", px=max(1, int(ttl_s * 1000))))
 
     async def done_among(self, group: str, event_ids: list[uuid.UUID]) -> set[uuid.UUID]:
-        if not event_ids:
+        if not event_ids or not self.ready:
             return set()
         keys = [self._key("done", group, e) for e in event_ids]
         found = await _guard(lambda: self.client.mget(keys))
         return {e for e, value in zip(event_ids, found, strict=True) if value is not None}
 
     async def mark_done_many(self, group: str, event_ids: list[uuid.UUID], ttl_s: float) -> None:
-        if not event_ids:
+        if not event_ids or not self.ready:
             return
         ttl_ms = max(1, int(ttl_s * 1000))
         keys = [self._key("done", group, e) for e in event_ids]
@@ -278,10 +309,14 @@ class RedisDedupStore:
             await _guard(functools.partial(self._mark_done, keys=chunk, args=[ttl_ms]))
 
     async def claim(self, group: str, event_id: uuid.UUID, owner: str, ttl_ms: int) -> bool:
+        if not self.ready:
+            return True  # no marker: the database's inbox row decides
         keys = [self._key("busy", group, event_id), self._key("done", group, event_id)]
         return bool(await _guard(lambda: self._claim(keys=keys, args=[owner, ttl_ms])))
 
     async def unclaim(self, group: str, event_id: uuid.UUID, owner: str) -> None:
+        if not self.ready:
+            return
         key = self._key("busy", group, event_id)
         await _guard(lambda: self._unclaim(keys=[key], args=[owner]))
 

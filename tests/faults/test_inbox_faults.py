@@ -454,8 +454,9 @@ async def test_c11_crashed_redis_claimant_never_hides_the_event(
             return block.exists()
 
         await poll(in_handler, "worker 1 to claim E1 and enter its handler")
-        busy = f"{redis_prefix}inbox:{group}:busy:{event.event_id}"
-        assert await redis_client.exists(busy)  # worker 1 holds the fast-path claim
+        # Worker 1 holds the fast-path claim (its key scoped to the inbox: any scope).
+        busy = f"{redis_prefix}inbox:*:{group}:busy:{event.event_id}"
+        assert [key async for key in redis_client.scan_iter(match=busy)]
         racing = asyncio.create_task(second.process_record(record_for(event)))
         await asyncio.sleep(0.2)
         assert not racing.done()  # worker 2 defers to the claim for now
@@ -467,7 +468,8 @@ async def test_c11_crashed_redis_claimant_never_hides_the_event(
             first.kill()
         await second.aclose()
     assert paid(engine, group) == [("11", Decimal("100.00"))]
-    assert await redis_client.exists(f"{redis_prefix}inbox:{group}:done:{event.event_id}")
+    done = f"{redis_prefix}inbox:*:{group}:done:{event.event_id}"
+    assert [key async for key in redis_client.scan_iter(match=done)]
 
 
 # --------------------------------------------------------------------------- C12

@@ -192,3 +192,79 @@ async def test_copies_in_the_stream_are_caught_and_then_read_the_hints(
     assert by_db >= 1  # the first copies: found by the database's claim
     # batches of at most 10: the ones after the first duplicate read the hints
     assert by_redis >= 1 and store.reads > reads_before
+
+
+def redis_consumer(
+    database_url: str, bootstrap: str, topic: str, group: str, redis_url: str, prefix: str
+) -> InboxConsumer:
+    """A consumer with the Redis hints it builds itself (``redis_url``), as users run it."""
+    consumer = InboxConsumer(
+        ConsumerConfig(
+            group_id=group,
+            topics=[topic],
+            database_url=database_url,
+            kafka_bootstrap_servers=bootstrap,
+            redis_url=redis_url,
+            redis_key_prefix=prefix,
+            commit_interval_ms=20,
+        )
+    )
+
+    @consumer.handler("OrderPlaced")
+    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        await ctx.session.execute(
+            sa.insert(applied).values(
+                consumer_group=ctx.group_id, order_id=event.payload["order_id"]
+            )
+        )
+
+    return consumer
+
+
+async def test_another_inbox_sharing_redis_and_the_group_name_never_believes_these_hints(
+    database_url: str,
+    engine: Engine,
+    empty_database_url: str,
+    kafka_bootstrap: str,
+    new_topic: Any,
+    redis_client: Redis,
+    redis_url: str,
+    redis_prefix: str,
+) -> None:
+    """Two deployments (two databases: another environment, another tenant) share a Redis
+    and a consumer group name, and see the same events (same event ids). The first applies
+    them and writes its "done" hints; the second must apply them in its own database. Before,
+    the hint keys named only the group and the event: the second consumer took the first's
+    hints as its own, skipped every event and committed the offsets - applied nowhere."""
+    from ledgerbox import migrations
+
+    other_engine = sa.create_engine(empty_database_url, poolclass=sa.pool.NullPool)
+    try:
+        migrations.upgrade_database(empty_database_url)
+        metadata.create_all(engine)
+        metadata.create_all(other_engine)
+        first_topic = await new_topic.acreate("hints-first", partitions=1)
+        second_topic = await new_topic.acreate("hints-second", partitions=1)
+        group = f"g-{uuid.uuid4().hex[:8]}"
+        events = [order_event(first_topic, f"o{i}") for i in range(5)]
+        await produce(kafka_bootstrap, first_topic, events)
+        await produce(kafka_bootstrap, second_topic, events)
+        first = redis_consumer(
+            database_url, kafka_bootstrap, first_topic, group, redis_url, redis_prefix
+        )
+        async with consuming(first):
+            await until_committed(kafka_bootstrap, group, first_topic, 5)
+        keys = [key async for key in redis_client.scan_iter(match=f"{redis_prefix}*:done:*")]
+        assert len(keys) == 5, "the first consumer wrote its hints"
+        second = redis_consumer(
+            empty_database_url, kafka_bootstrap, second_topic, group, redis_url, redis_prefix
+        )
+        async with consuming(second):
+            await until_committed(kafka_bootstrap, group, second_topic, 5)
+        assert applied_ids(engine, group) == [f"o{i}" for i in range(5)]
+        assert applied_ids(other_engine, group) == [f"o{i}" for i in range(5)]
+        # Each inbox has its own keys.
+        keys = [key async for key in redis_client.scan_iter(match=f"{redis_prefix}*:done:*")]
+        assert len(keys) == 10 and len({key.split(b":")[-4] for key in keys}) == 2
+    finally:
+        other_engine.dispose()
