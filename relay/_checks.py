@@ -19,6 +19,7 @@ from ledgerbox._core.kafka_probe import LOGIN_REFUSED, probe_kafka
 from ledgerbox._core.names import SCHEMA_REVISION_MIN, SCHEMA_REVISIONS, revision_served
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import PublishError, StoreError
+from ledgerbox.relay._maintenance import stray_cause
 from ledgerbox.relay._policy import shard_ranges
 from ledgerbox.relay._publisher import KafkaPublisher
 from ledgerbox.relay._store import RelayStore, SchemaReport
@@ -92,6 +93,8 @@ async def check_relay(
         found = _schema_problems(config, report)
         if not found:
             found = await _refused_problems(store, timeout_s)
+        if not found:
+            found = await _stray_problems(config, store, timeout_s)
         problems += found
         pending_topics = report.pending_topics
         if not found:
@@ -214,6 +217,23 @@ def _schema_problems(config: RelayConfig, report: SchemaReport) -> list[Problem]
             )
         )
     return problems
+
+
+async def _stray_problems(
+    config: RelayConfig, store: RelayStore, timeout_s: float
+) -> list[Problem]:
+    # Events in shards outside 0..shard_count-1 are never claimed (the writers' shard_count
+    # is larger): not fatal for `relay run` (the other shards are published), but never
+    # "ok" (a newcomer's review found status and check silent while half the events waited).
+    try:
+        async with asyncio.timeout(timeout_s):
+            stats = await store.stats(config.shard_count)
+    except (StoreError, TimeoutError) as exc:
+        cause = f"the pending events could not be counted ({exc}): check the database"
+        return [Problem(False, cause)]
+    if not stats.stray:
+        return []
+    return [Problem(False, stray_cause(stats.stray, config.shard_count))]
 
 
 async def _refused_problems(store: RelayStore, timeout_s: float) -> list[Problem]:

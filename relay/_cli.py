@@ -52,6 +52,7 @@ from ledgerbox._core.settings import (
 from ledgerbox.relay._checks import CheckResult, check_relay
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._hooks import RelayHooks
+from ledgerbox.relay._maintenance import stray_cause
 from ledgerbox.relay._pgstore import pg_store_factory
 from ledgerbox.relay._policy import shard_ranges
 from ledgerbox.relay._publisher import KafkaPublisher
@@ -283,6 +284,8 @@ def status(values: Values, ctx: typer.Context) -> None:
             f"refused shards: {_ranges([s for s, _ in stats.refused])}: {stats.refused[0][1]}"
             " (run `ledgerbox relay rebase`)"
         )
+    if stats.stray:
+        typer.echo(f"stray: {stray_cause(stats.stray, config.shard_count)}")
 
 
 def _status_json(stats: RelayStats, keys: list[HeldKeyRow]) -> dict[str, Any]:
@@ -298,6 +301,7 @@ def _status_json(stats: RelayStats, keys: list[HeldKeyRow]) -> dict[str, Any]:
             {"shard": s, "owner": o, "fence": f, "live": live} for s, o, f, live in stats.owners
         ],
         "refused": [[s, why] for s, why in stats.refused],
+        "stray": stats.stray,
         "held_keys": [
             {
                 "key": k.key,

@@ -24,14 +24,25 @@ from ledgerbox._core.stop import StopSignal
 from ledgerbox.relay import _metrics as m
 from ledgerbox.relay._config import RelayConfig
 from ledgerbox.relay._errors import StoreError
-from ledgerbox.relay._store import RelayStore
+from ledgerbox.relay._store import STRAY_COUNT_CAP, RelayStore
 
-__all__ = ["STATS_INTERVAL_S", "Maintenance", "MaintenanceDeps"]
+__all__ = ["STATS_INTERVAL_S", "Maintenance", "MaintenanceDeps", "stray_cause"]
 
 log = logging.getLogger("ledgerbox.relay")
 
 #: Pause between two rounds of the leader's maintenance (gauges, cleanup when due), seconds.
 STATS_INTERVAL_S = 5.0
+
+
+def stray_cause(stray: int, shard_count: int) -> str:
+    """One line: ``stray`` events (RelayStats.stray) wait where no relay looks, and the fix."""
+    many = f"{stray}+" if stray >= STRAY_COUNT_CAP else str(stray)
+    return (
+        f"{many} events wait in shards outside 0-{shard_count - 1}, which no relay with"
+        f" shard_count {shard_count} publishes: the writers' OutboxTable(shard_count=...) is"
+        " larger; give every relay the writers' value (--shard-count,"
+        " LEDGERBOX_RELAY_SHARD_COUNT) and restart them"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +84,7 @@ class Maintenance:
     def __init__(self, deps: MaintenanceDeps) -> None:
         self._deps = deps
         self._last_cleanup = -float("inf")
+        self._stray = 0  # the last stray count logged
 
     async def run(self) -> None:
         """Until stopped; never raises on database errors (logged, counted as
@@ -110,6 +122,12 @@ class Maintenance:
         m.OLDEST_PENDING_AGE.set(stats.oldest_pending_age_s or 0.0)
         m.DEAD_LETTERED_EVENTS.set(stats.dead_lettered)
         m.HELD_EVENTS.set(stats.held)
+        m.STRAY_EVENTS.set(stats.stray)
+        if stats.stray and not self._stray:
+            log.error("%s", stray_cause(stats.stray, deps.config.shard_count))
+        elif self._stray and not stats.stray:
+            log.warning("no event waits outside shards 0-%d any more", deps.config.shard_count - 1)
+        self._stray = stats.stray
         now = deps.clock()
         if now - self._last_cleanup >= deps.config.cleanup_interval_s:
             self._last_cleanup = now

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from ledgerbox._core.names import DEFAULT_SHARD_COUNT
 from ledgerbox.outbox import EventEnvelope, EventStatus, shard_of, timestamp_ms
 from ledgerbox.relay._store import (
+    STRAY_COUNT_CAP,
     Claim,
     ClaimedEvent,
     Cursor,
@@ -450,6 +451,7 @@ class InMemoryRelayStore:
             ],
             held=sum(1 for r in rows if r.status == _HELD),
             refused=[(s, lease.refused) for s, lease in sorted(t.leases.items()) if lease.refused],
+            stray=min(STRAY_COUNT_CAP, sum(1 for r in rows if _stray(r, shard_count))),
         )
 
     async def owned_stats(self, shards: Sequence[int]) -> tuple[int, float | None]:
@@ -656,3 +658,8 @@ def _with_held(event: ClaimedEvent) -> ClaimedEvent:
 
 def _live(lease: _Lease, now: float) -> bool:
     return lease.expires_at is not None and lease.expires_at > now
+
+
+def _stray(row: _Row, shard_count: int) -> bool:
+    """Waiting in a shard no relay with ``shard_count`` claims (RelayStats.stray)."""
+    return row.status == _PENDING and not 0 <= row.event.shard < shard_count

@@ -21,6 +21,7 @@ __all__ = [
     "REFUSED_SHARDS",
     "RESTAMPED",
     "RETRIES",
+    "STRAY_EVENTS",
     "UP",
     "WAKE_GATE",
 ]
@@ -77,6 +78,12 @@ DEAD_LETTERED_EVENTS = Gauge(
     "ledgerbox_relay_dead_lettered_events",
     "Outbox rows dead-lettered now (status 2) and waiting for an operator's replay or discard "
     "(leader's last count)",
+)
+STRAY_EVENTS = Gauge(
+    "ledgerbox_relay_stray_events",
+    "Outbox rows waiting in a shard outside 0..shard_count-1, which no relay publishes (the"
+    " writers' OutboxTable.shard_count is larger than the relays'; counted up to 10,000;"
+    " leader's last count): alert on > 0",
 )
 HELD_EVENTS = Gauge(
     "ledgerbox_relay_held_events",

@@ -454,13 +454,20 @@ _PENDING_ROWS: LiteralString = _ALL_SHARDS + _PENDING_OF_SHARDS
 PENDING_COUNT: LiteralString = _PENDING_COUNT_HEAD + _PENDING_ROWS + _PENDING_COUNT_TAIL
 
 _STATS_HEAD: LiteralString = "WITH p AS ("
+# Stray rows: pending in a shard no relay with this shard_count claims (the writers'
+# OutboxTable.shard_count is larger): counted up to STRAY_COUNT_CAP (10,000), through the
+# (shard, txid, id) index - a range that is empty when the settings agree.
 _STATS_TAIL: LiteralString = """
 )
 SELECT
   (SELECT count(*) FROM p),
   (SELECT extract(epoch FROM now() - min(p.created_at))::float8 FROM p),
   (SELECT count(*) FROM {outbox} WHERE status = 2),
-  (SELECT count(*) FROM {outbox} WHERE status = 3)
+  (SELECT count(*) FROM {outbox} WHERE status = 3),
+  (SELECT count(*) FROM (
+     SELECT 1 FROM {outbox} AS o
+     WHERE (o.shard >= %(shard_count)s OR o.shard < 0) AND o.status = 0
+     LIMIT 10000) AS stray)
 """
 STATS: LiteralString = _STATS_HEAD + _PENDING_ROWS + _STATS_TAIL
 
@@ -1068,7 +1075,7 @@ class PgRelayStore:
         """Pending, held and dead counts, age of the oldest pending row, owners, refusals."""
         counts = await self._fetch(STATS, {"shard_count": shard_count}, "stats")
         owners = await self._fetch(SHARD_OWNERS, {}, "shard_owners")
-        pending, age, dead, held = counts[0]
+        pending, age, dead, held, stray = counts[0]
         return RelayStats(
             pending=int(pending),
             dead_lettered=int(dead),
@@ -1076,6 +1083,7 @@ class PgRelayStore:
             owners=[(int(s), o, int(f), bool(live)) for s, o, f, live, _ in owners],
             held=int(held),
             refused=[(int(s), str(r)) for s, _, _, _, r in owners if r is not None],
+            stray=int(stray),
         )
 
     async def owned_stats(self, shards: Sequence[int]) -> tuple[int, float | None]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 __all__ = [
+    "STRAY_COUNT_CAP",
     "Claim",
     "ClaimedEvent",
     "Cursor",
@@ -266,6 +267,10 @@ class RebasedShard:
     frozen: int
 
 
+#: ``RelayStats.stray`` is counted up to this many rows.
+STRAY_COUNT_CAP = 10_000
+
+
 @dataclass(frozen=True, slots=True)
 class RelayStats:
     """What ``relay status`` shows and the leader's gauges read.
@@ -285,6 +290,10 @@ class RelayStats:
         Rows with ``status = 3`` (waiting behind a dead-lettered row of their key).
     refused : list[tuple[int, str]]
         ``(shard, reason)`` of the shards the relay refuses (cursor ahead of the database).
+    stray : int
+        Rows waiting (``status = 0``) in a shard outside ``0..shard_count-1``: no relay with
+        this ``shard_count`` ever claims them (the writers' ``OutboxTable.shard_count`` is
+        larger). Counted up to 10,000. Not in ``pending``.
     """
 
     pending: int
@@ -293,6 +302,7 @@ class RelayStats:
     owners: list[tuple[int, str | None, int, bool]]
     held: int = 0
     refused: list[tuple[int, str]] = field(default_factory=list)
+    stray: int = 0
 
 
 @dataclass(frozen=True, slots=True)

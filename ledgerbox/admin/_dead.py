@@ -206,6 +206,7 @@ async def relay_status(
         owners=[ShardOwner(shard=s, owner=o, fence=f, live=live) for s, o, f, live in stats.owners],
         refused=list(stats.refused),
         held_keys=_held(keys),
+        stray=stats.stray,
     )
 
 

@@ -351,7 +351,9 @@ class RelayStatus(_Json):
     """What ``ledgerbox relay status`` shows: ``pending`` events the shards' cursors have
     not passed, the age of the oldest in seconds (``None``: none pending), the
     ``dead_lettered`` and ``held`` counts, the lease ``owners`` by shard, the ``refused``
-    shards ``(shard, reason)`` and the ``held_keys`` (at most 20)."""
+    shards ``(shard, reason)``, the ``held_keys`` (at most 20) and ``stray``: events waiting
+    in shards outside ``0..shard_count-1``, which no relay publishes (the writers'
+    ``OutboxTable.shard_count`` is larger; counted up to 10,000; not in ``pending``)."""
 
     pending: int
     oldest_pending_age_s: float | None
@@ -360,6 +362,7 @@ class RelayStatus(_Json):
     owners: list[ShardOwner]
     refused: list[tuple[int, str]]
     held_keys: list[HeldKey]
+    stray: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

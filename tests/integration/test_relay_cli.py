@@ -116,3 +116,44 @@ def test_run_publishes_and_stops_cleanly_on_either_event_loop(
     log = proc.stderr.read().decode() if proc.stderr is not None else ""
     assert code == 0, log
     assert f"event loop {event_loop}" in log, log
+
+
+def test_events_in_shards_no_relay_claims_are_reported_by_status_check_and_admin(
+    engine: Engine, database_url: str, kafka_bootstrap: str
+) -> None:
+    """Writers with ``OutboxTable(shard_count=128)``, relays with the default 64: the events
+    of shards 64-127 are never published. Before, ``relay status`` said ``pending: 0`` for
+    them and ``relay check`` said ``relay ok`` (a newcomer's review); now both name the count
+    and the fix, and ``check`` exits 2."""
+    import asyncio
+
+    from ledgerbox import admin
+    from ledgerbox.outbox import OutboxTable, OutboxWriter, TopicRouter, shard_of
+
+    rs.reset_relay_tables(engine)
+    writer = OutboxWriter(
+        TopicRouter(default="stray"), source="/stray", table=OutboxTable(shard_count=128)
+    )
+    keys = [f"k{i}" for i in range(40)]
+    rs.stage(engine, writer, [rs.event(writer, key, 1) for key in keys])
+    stray = sum(1 for key in keys if shard_of(key, 128) >= 64)
+    assert 0 < stray < len(keys)
+
+    out = _cli("status", DATABASE_URL=database_url)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == f"pending: {len(keys) - stray}"
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith("stray: ")]
+    assert line == (
+        f"stray: {stray} events wait in shards outside 0-63, which no relay with shard_count"
+        " 64 publishes: the writers' OutboxTable(shard_count=...) is larger; give every relay"
+        " the writers' value (--shard-count, LEDGERBOX_RELAY_SHARD_COUNT) and restart them"
+    )
+    check = _cli("check", DATABASE_URL=database_url, KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap)
+    assert check.returncode == 2, check.stdout + check.stderr
+    assert f"relay down: {stray} events wait in shards outside 0-63" in check.stdout
+    status = asyncio.run(admin.relay_status(admin.Database(url=database_url)))
+    assert status.stray == stray and status.pending == len(keys) - stray
+    # With the writers' value: nothing stray, all pending.
+    wide = _cli("status", "--shard-count", "128", DATABASE_URL=database_url)
+    assert wide.stdout.splitlines()[0] == f"pending: {len(keys)}", wide.stdout
+    assert "stray" not in wide.stdout

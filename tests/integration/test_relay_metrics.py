@@ -44,3 +44,34 @@ async def test_dead_and_held_gauges_and_lease_changes(engine: Engine, database_u
         await relay.aclose()
     assert _changes("released") == before["released"] + 64
     assert _changes("lost") == before["lost"]
+
+
+async def test_stray_gauge_and_one_error_line_for_events_outside_the_relays_shards(
+    engine: Engine, database_url: str, caplog: Any
+) -> None:
+    """Events in shards no relay claims (writers with a larger shard_count): the leader's
+    round sets ``ledgerbox_relay_stray_events`` and logs the cause once, not every round."""
+    import logging
+
+    from ledgerbox.outbox import OutboxTable, OutboxWriter, TopicRouter, shard_of
+    from ledgerbox.relay._metrics import STRAY_EVENTS
+
+    rs.reset_relay_tables(engine)
+    writer = OutboxWriter(
+        TopicRouter(default="stray"), source="/stray", table=OutboxTable(shard_count=128)
+    )
+    keys = [f"k{i}" for i in range(20)]
+    rs.stage(engine, writer, [rs.event(writer, key, 1) for key in keys])
+    stray = sum(1 for key in keys if shard_of(key, 128) >= 64)
+    relay = Relay(rs.config(database_url, "unused:9092", lanes=1), publisher=InMemoryPublisher())
+    caplog.set_level(logging.ERROR, logger="ledgerbox.relay")
+    try:
+        await relay.run_once()
+        await relay.run_once()
+        await relay._maintenance._round()
+        await relay._maintenance._round()
+        assert _gauge(STRAY_EVENTS) == stray > 0
+    finally:
+        await relay.aclose()
+    lines = [r.getMessage() for r in caplog.records if "shards outside 0-63" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(f"{stray} events wait"), lines
