@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         NaiveDatetimeError,
         NonFiniteNumberError,
         PayloadTooLargeError,
+        RecordTooLargeError,
         UnroutedEventError,
     )
     from ledgerbox.outbox._routing import TopicRouter
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from ledgerbox.outbox._wire import envelope_from_kafka, kafka_headers, timestamp_ms
     from ledgerbox.outbox._writer import (
         DEFAULT_MAX_PAYLOAD_BYTES,
+        DEFAULT_MAX_RECORD_BYTES,
         OutboxWriter,
         Staged,
         envelope_from_row,
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MAX_FUTURE_S",
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "DEFAULT_MAX_RECORD_BYTES",
     "DEFAULT_SHARD_COUNT",
     "EnvelopeParseError",
     "EventEnvelope",
@@ -62,6 +65,7 @@ __all__ = [
     "OutboxTable",
     "OutboxWriter",
     "PayloadTooLargeError",
+    "RecordTooLargeError",
     "Staged",
     "TopicRouter",
     "UnroutedEventError",
@@ -80,6 +84,7 @@ if not TYPE_CHECKING:  # type checkers see the imports above, so typos stay erro
         {
             "DEFAULT_MAX_FUTURE_S": "ledgerbox.outbox._writer",
             "DEFAULT_MAX_PAYLOAD_BYTES": "ledgerbox.outbox._writer",
+            "DEFAULT_MAX_RECORD_BYTES": "ledgerbox.outbox._writer",
             "DEFAULT_SHARD_COUNT": "ledgerbox._core.names",
             "EnvelopeParseError": "ledgerbox.outbox._errors",
             "EventIdConflictError": "ledgerbox.outbox._errors",
@@ -92,6 +97,7 @@ if not TYPE_CHECKING:  # type checkers see the imports above, so typos stay erro
             "OutboxTable": "ledgerbox.outbox._table",
             "OutboxWriter": "ledgerbox.outbox._writer",
             "PayloadTooLargeError": "ledgerbox.outbox._errors",
+            "RecordTooLargeError": "ledgerbox.outbox._errors",
             "Staged": "ledgerbox.outbox._writer",
             "TopicRouter": "ledgerbox.outbox._routing",
             "UnroutedEventError": "ledgerbox.outbox._errors",

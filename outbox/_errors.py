@@ -11,6 +11,7 @@ __all__ = [
     "NaiveDatetimeError",
     "NonFiniteNumberError",
     "PayloadTooLargeError",
+    "RecordTooLargeError",
     "UnroutedEventError",
 ]
 
@@ -96,6 +97,33 @@ class PayloadTooLargeError(EventValidationError):
 
     def __init__(self, size_bytes: int, max_bytes: int) -> None:
         super().__init__(f"payload is {size_bytes} bytes, above the limit of {max_bytes} bytes")
+        self.size_bytes = size_bytes
+        self.max_bytes = max_bytes
+
+
+class RecordTooLargeError(PayloadTooLargeError):
+    """The event's Kafka record (payload as the relay sends it, key and headers) would be
+    larger than ``OutboxWriter.max_record_bytes``: the relay would dead-letter it.
+
+    Attributes
+    ----------
+    size_bytes : int
+        Estimated size of the record in bytes (Kafka's own estimate of a record batch
+        holding it; the payload rendered as PostgreSQL's ``jsonb`` prints it).
+    max_bytes : int
+        ``max_record_bytes``.
+    """
+
+    __module__ = "ledgerbox.outbox"
+
+    def __init__(self, size_bytes: int, max_bytes: int) -> None:
+        EventValidationError.__init__(
+            self,
+            f"the event's Kafka record would be {size_bytes} bytes (payload, key and headers),"
+            f" above max_record_bytes {max_bytes}, so the relay would dead-letter it: make the"
+            " payload smaller, or raise the writer's max_record_bytes together with the"
+            " relays' --max-request-bytes and the topic's max.message.bytes",
+        )
         self.size_bytes = size_bytes
         self.max_bytes = max_bytes
 

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, SessionTransaction, scoped_session
 from ledgerbox._core.errors import ConfigurationError
 from ledgerbox._core.faults import Fault, driver_fault
 from ledgerbox._core.identifiers import kafka_topic
+from ledgerbox._core.names import DEFAULT_MAX_RECORD_BYTES as _DEFAULT_MAX_RECORD_BYTES
 from ledgerbox._core.plan import Plan, arun_plan, run_plan
 from ledgerbox.outbox._envelope import (
     EventEnvelope,
@@ -38,22 +39,29 @@ from ledgerbox.outbox._errors import (
     FutureEventTimeError,
     NaiveDatetimeError,
     PayloadTooLargeError,
+    RecordTooLargeError,
 )
 from ledgerbox.outbox._routing import TopicRouter
 from ledgerbox.outbox._table import OutboxTable, shard_of
 from ledgerbox.outbox._trace import producer_trace_headers
+from ledgerbox.outbox._wire import kafka_headers
 
 __all__ = [
     "DEFAULT_MAX_FUTURE_S",
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "DEFAULT_MAX_RECORD_BYTES",
     "OutboxWriter",
     "Staged",
     "envelope_from_row",
+    "record_size",
 ]
 
 #: Kafka's default ``max.message.bytes`` (1 MiB): a larger payload would be refused by the
 #: broker long after the business transaction committed, so it is refused at write time.
 DEFAULT_MAX_PAYLOAD_BYTES = 1_048_576
+
+#: Default ``max_record_bytes`` (``ledgerbox._core.names``): the relay's default.
+DEFAULT_MAX_RECORD_BYTES = _DEFAULT_MAX_RECORD_BYTES
 
 #: Default ``max_future_s``: 50 minutes, under Kafka's default one-hour limit on future
 #: record timestamps (``log.message.timestamp.after.max.ms``, Kafka 4.0, KIP-937).
@@ -106,7 +114,15 @@ class OutboxWriter:
     table : OutboxTable | None
         The outbox table (default: ``OutboxTable()``, i.e. ``outbox`` on the search path).
     max_payload_bytes : int
-        Largest serialized payload accepted, in bytes (default 1 MiB).
+        Largest serialized payload accepted (compact UTF-8 JSON), in bytes (default 1 MiB).
+    max_record_bytes : int | None
+        Largest Kafka record accepted, in bytes (default :data:`DEFAULT_MAX_RECORD_BYTES`,
+        1 MiB: the relay's default ``max_request_bytes``): the payload as the relay sends
+        it (PostgreSQL's ``jsonb`` text, which puts a space after each ``:`` and ``,``), the
+        key and the headers. Checked only for a payload large enough to come near it (from
+        about two thirds of it: a second rendering of the payload), so small events cost
+        nothing. A larger record would be dead-lettered by the relay after the commit;
+        refused here instead (:class:`RecordTooLargeError`). ``None``: not checked.
     max_future_s : float | None
         Latest event time accepted, in seconds after the writer's clock (default 3000 s =
         50 min). Kafka refuses a record timestamp more than
@@ -132,9 +148,17 @@ class OutboxWriter:
         table: OutboxTable | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         max_future_s: float | None = DEFAULT_MAX_FUTURE_S,
+        max_record_bytes: int | None = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
         if max_payload_bytes <= 0:
             raise ConfigurationError(f"max_payload_bytes must be > 0, got {max_payload_bytes}")
+        if max_record_bytes is not None and not (
+            type(max_record_bytes) is int and max_record_bytes > 0
+        ):
+            raise ConfigurationError(
+                f"max_record_bytes must be a positive int or None, got {max_record_bytes!r}"
+            )
+        self.max_record_bytes = max_record_bytes
         if max_future_s is not None and not max_future_s >= 0:
             raise ConfigurationError(f"max_future_s must be >= 0 or None, got {max_future_s}")
         self.max_future_s = max_future_s
@@ -544,6 +568,13 @@ class OutboxWriter:
         payload_json = dumps_payload(event.payload)
         if len(payload_json) > self.max_payload_bytes:
             raise PayloadTooLargeError(len(payload_json), self.max_payload_bytes)
+        limit = self.max_record_bytes
+        # jsonb's text is at most 1.5 times the compact JSON (", " for ","), the key and the
+        # headers are small: only a payload from about 2/3 of the limit can come near it.
+        if limit is not None and 3 * len(payload_json) >= 2 * limit - 65_536:
+            size = record_size(event)
+            if size > limit:
+                raise RecordTooLargeError(size, limit)
         row = self._values(event)
         params = dict(row)
         params["payload"] = payload_json.decode("utf-8")
@@ -848,3 +879,28 @@ def envelope_from_row(row: Mapping[Any, Any]) -> EventEnvelope:
         payload=row["payload"],
         headers=row["headers"],
     )
+
+
+def record_size(event: EventEnvelope) -> int:
+    """Kafka's estimate, in bytes, of the record the relay sends for ``event`` (what the
+    producer compares with its ``max_request_size``): the payload as PostgreSQL's ``jsonb``
+    prints it (``", "`` and ``": "`` between items; numbers in exponent form would print
+    longer), the partition key and the CloudEvents and extra headers."""
+    from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
+    value = json.dumps(event.payload, ensure_ascii=False, separators=(", ", ": ")).encode()
+    headers = kafka_headers(
+        event_id=event.event_id,
+        event_type=event.event_type,
+        source=event.source,
+        occurred_at=event.occurred_at,
+        idempotency_key=event.idempotency_key,
+        aggregate_type=event.aggregate_type,
+        aggregate_id=event.aggregate_id,
+        aggregate_version=event.aggregate_version,
+        extra=event.headers,
+    )
+    size: int = DefaultRecordBatchBuilder.estimate_size_in_bytes(
+        key=event.partition_key.encode(), value=value, headers=headers
+    )
+    return size

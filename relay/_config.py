@@ -18,7 +18,7 @@ from ledgerbox._core.identifiers import (
     sql_identifier,
 )
 from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
-from ledgerbox._core.names import DEFAULT_SHARD_COUNT
+from ledgerbox._core.names import DEFAULT_MAX_RECORD_BYTES, DEFAULT_SHARD_COUNT
 
 __all__ = ["STOP_TIMEOUT_S", "Compression", "OnDeadLetter", "RelayConfig"]
 
@@ -103,6 +103,12 @@ class RelayConfig:
         batches queue and go out together anyway.
     producer_batch_bytes : int
         Producer ``max_batch_size`` per partition, in bytes (default 256 KiB).
+    max_request_bytes : int
+        Largest Kafka record the relay sends (the producer's ``max_request_size``), in bytes
+        (default 1 MiB, aiokafka's and the brokers' default). A larger record is
+        dead-lettered. To publish larger events raise it together with the topics'
+        ``max.message.bytes`` and the writers' ``OutboxWriter(max_record_bytes=...)``
+        (docs/outbox.md, "Size limits").
     request_timeout_ms : int
         Producer request timeout, in milliseconds: a send not confirmed by then failed
         (default 30,000).
@@ -151,6 +157,7 @@ class RelayConfig:
     claim_linger_ms: int = 20
     linger_ms: int = 0
     producer_batch_bytes: int = 262_144
+    max_request_bytes: int = DEFAULT_MAX_RECORD_BYTES
     request_timeout_ms: int = 30_000
     cleanup_interval_s: float = 60.0
     cleanup_batch_size: int = 1000
@@ -194,6 +201,11 @@ class RelayConfig:
         _check(0 <= self.claim_linger_ms <= 50, "claim_linger_ms", "must be in 0..50")
         _check(0 <= self.linger_ms <= 10_000, "linger_ms", "must be in 0..10000")
         _check(self.producer_batch_bytes >= 1024, "producer_batch_bytes", "must be >= 1024")
+        _check(
+            1024 <= self.max_request_bytes <= INT32_MAX,
+            "max_request_bytes",
+            f"must be in 1024..{INT32_MAX}",
+        )
         _check(
             1000 <= self.request_timeout_ms <= INT32_MAX,  # Kafka's int32 milliseconds
             "request_timeout_ms",

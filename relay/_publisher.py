@@ -24,14 +24,13 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from ledgerbox._core.faults import Fault
 from ledgerbox._core.kafka import KafkaSettings
 from ledgerbox._core.kafka_probe import probe_kafka
+from ledgerbox._core.names import DEFAULT_MAX_RECORD_BYTES
 from ledgerbox.relay._errors import PublishError
 from ledgerbox.relay._policy import NOT_SENT, failure_reason
 
 __all__ = ["KafkaPublisher", "OutboundRecord", "Publisher", "not_sent_error"]
 
 log = logging.getLogger("ledgerbox.relay.publisher")
-
-_MAX_REQUEST_BYTES = 1_048_576  # aiokafka's max_request_size default, Kafka's message.max.bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +208,9 @@ class KafkaPublisher:
     max_batch_bytes : int
         Record batch size per partition, in bytes.
     request_timeout_ms : int
+    max_request_bytes : int
+        Largest record sent (aiokafka's ``max_request_size``), in bytes; a larger one is
+        refused by :meth:`precheck` as the event's fault (default 1 MiB).
     """
 
     def __init__(
@@ -219,6 +221,7 @@ class KafkaPublisher:
         linger_ms: int = 0,
         max_batch_bytes: int = 262_144,
         request_timeout_ms: int = 30_000,
+        max_request_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
         if isinstance(kafka, str):
             kafka = KafkaSettings(bootstrap_servers=kafka)
@@ -229,7 +232,7 @@ class KafkaPublisher:
             "compression_type": None if compression == "none" else compression,
             "linger_ms": linger_ms,
             "max_batch_size": max_batch_bytes,
-            "max_request_size": _MAX_REQUEST_BYTES,
+            "max_request_size": max_request_bytes,
             "request_timeout_ms": request_timeout_ms,
         }
         self._producer: AIOKafkaProducer | None = None
@@ -292,9 +295,11 @@ class KafkaPublisher:
         size: int = DefaultRecordBatchBuilder.estimate_size_in_bytes(
             key=record.key, value=record.value, headers=record.headers
         )
-        if size > _MAX_REQUEST_BYTES:
+        limit = self._kwargs["max_request_size"]
+        if size > limit:
             return PublishError(
-                f"record of {size} bytes is above max_request_size {_MAX_REQUEST_BYTES}",
+                f"record of {size} bytes is above max_request_size {limit}"
+                " (the relay's max_request_bytes)",
                 fault=Fault.MESSAGE,
                 kind="MessageSizeTooLargeError",
             )

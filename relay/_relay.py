@@ -133,6 +133,7 @@ class Relay:
                 linger_ms=config.linger_ms,
                 max_batch_bytes=config.producer_batch_bytes,
                 request_timeout_ms=config.request_timeout_ms,
+                max_request_bytes=config.max_request_bytes,
             ),
             backoff=backoff,
             stop=self._stop,

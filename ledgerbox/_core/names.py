@@ -5,6 +5,7 @@ from __future__ import annotations
 
 __all__ = [
     "CONTENT_TYPE",
+    "DEFAULT_MAX_RECORD_BYTES",
     "DEFAULT_SHARD_COUNT",
     "H_AGG_ID",
     "H_AGG_TYPE",
@@ -30,6 +31,12 @@ SCHEMA_VERSION_TABLE = "ledgerbox_alembic_version"
 #: Number of virtual shards the key space is cut into. Fixed for the life of a table: a relay
 #: owns whole shards, and per-key order holds because a key never changes shard.
 DEFAULT_SHARD_COUNT = 64
+
+#: Largest Kafka record, in bytes, by default everywhere: aiokafka's ``max_request_size``
+#: and close to the brokers' ``message.max.bytes`` (1,048,588). The writer refuses an event
+#: whose record would be larger (``OutboxWriter.max_record_bytes``), the relay does not send
+#: one (``RelayConfig.max_request_bytes``), so the two agree by default.
+DEFAULT_MAX_RECORD_BYTES = 1_048_576
 
 #: ``content-type`` of every record: the value is the payload JSON.
 CONTENT_TYPE = "application/json"

@@ -45,6 +45,7 @@ SAMPLE: dict[str, Any] = {
     "claim_linger_ms": 2,
     "linger_ms": 5,
     "producer_batch_bytes": 2048,
+    "max_request_bytes": 2_097_152,
     "request_timeout_ms": 4000,
     "cleanup_interval_s": 30.0,
     "cleanup_batch_size": 50,

@@ -23,6 +23,7 @@ PUBLIC: dict[str, list[str]] = {
     "ledgerbox.outbox": [
         "DEFAULT_MAX_FUTURE_S",
         "DEFAULT_MAX_PAYLOAD_BYTES",
+        "DEFAULT_MAX_RECORD_BYTES",
         "DEFAULT_SHARD_COUNT",
         "EnvelopeParseError",
         "EventEnvelope",
@@ -35,6 +36,7 @@ PUBLIC: dict[str, list[str]] = {
         "OutboxTable",
         "OutboxWriter",
         "PayloadTooLargeError",
+        "RecordTooLargeError",
         "Staged",
         "TopicRouter",
         "UnroutedEventError",
