@@ -11,7 +11,7 @@ from ledgerbox._core.backoff import Backoff
 from ledgerbox._core.database_url import check_database_url
 from ledgerbox._core.durations import check_duration
 from ledgerbox._core.errors import ConfigurationError
-from ledgerbox._core.identifiers import inbox_table_name, named, sql_identifier
+from ledgerbox._core.identifiers import inbox_table_name, kafka_topic, named, sql_identifier
 from ledgerbox._core.kafka import KafkaSettings, resolve_kafka
 from ledgerbox._core.redis_url import check_redis_url
 
@@ -238,6 +238,26 @@ class ConsumerConfig:
         object.__setattr__(self, "topics", tuple(self.topics))
         if not self.topics and not self.assignment:
             raise ConfigurationError("topics must name at least one topic")
+        # Kafka refuses an illegal name only in each fetch's metadata, which looked like an
+        # unreachable broker (a newcomer's review): refused here, as the writer refuses it.
+        for topic in self.topics:
+            kafka_topic(topic)
+        if self.dead_letter_topic is not None:
+            kafka_topic(self.dead_letter_topic)
+        whole = {
+            "max_attempts": self.max_attempts,
+            "lock_ttl_ms": self.lock_ttl_ms,
+            "commit_interval_ms": self.commit_interval_ms,
+            "max_buffered_records": self.max_buffered_records,
+            "batch_max_records": self.batch_max_records,
+            "in_progress_ttl_ms": self.in_progress_ttl_ms,
+            "lock_wait_ms": self.lock_wait_ms,
+        }
+        for name, value in whole.items():
+            if value is not None and type(value) is not int:
+                raise ConfigurationError(
+                    f"{name} must be a whole number, got {value!r}", setting=name
+                )
         named(inbox_table_name, self.inbox_table, "inbox table name", "inbox_table")
         if self.schema is not None:
             named(sql_identifier, self.schema, "schema", "schema")
@@ -281,7 +301,9 @@ class ConsumerConfig:
             raise ConfigurationError("lock_aggregates needs redis_url")
         object.__setattr__(self, "_backoff", Backoff(self.retry_base_s, self.retry_max_s))
         if self.assignment is not None:
-            object.__setattr__(self, "assignment", tuple((t, int(p)) for t, p in self.assignment))
+            object.__setattr__(
+                self, "assignment", tuple((kafka_topic(t), int(p)) for t, p in self.assignment)
+            )
         if self.retention_s < self.offset_retention_s:
             raise ConfigurationError(
                 f"inbox retention_s={self.retention_s:g} is shorter than the group's "

@@ -396,3 +396,37 @@ def test_schema_revision_is_the_head_of_the_migrations() -> None:
     script = ScriptDirectory.from_config(migrations.alembic_config("postgresql://u@h/d"))
     assert script.get_heads() == [SCHEMA_REVISION]
     assert migrations.VERSION_TABLE == SCHEMA_VERSION_TABLE
+
+
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [
+        ({"topics": ["bad topic"]}, "'bad topic' is not a legal Kafka topic name"),
+        ({"topics": ["a", ""]}, "'' is not a legal Kafka topic name"),
+        ({"dead_letter_topic": "dlq/x"}, "'dlq/x' is not a legal Kafka topic name"),
+        ({"topics": [], "assignment": [("a b", 0)]}, "'a b' is not a legal Kafka topic name"),
+        ({"max_attempts": 2.5}, "max_attempts must be a whole number, got 2.5"),
+        ({"max_attempts": True}, "max_attempts must be a whole number, got True"),
+        ({"max_attempts": "3"}, "max_attempts must be a whole number, got '3'"),
+        ({"batch_max_records": 10.0}, "batch_max_records must be a whole number"),
+        ({"in_progress_ttl_ms": "5"}, "in_progress_ttl_ms must be a whole number"),
+    ],
+)
+def test_topic_names_and_whole_numbers_are_checked_when_the_config_is_built(
+    bad: dict[str, object], named: str
+) -> None:
+    """A newcomer's review: an illegal topic name was accepted (``consumer check`` said ok,
+    ``run`` blamed Kafka: "Kafka is unreachable ... UnknownTopicOrPartitionError"), 2.5 and
+    True passed as max_attempts, "3" raised a bare TypeError. Now each is a one-line
+    ConfigurationError naming the setting."""
+    with pytest.raises(ConfigurationError) as raised:
+        ConsumerConfig(
+            **{
+                "group_id": "g",
+                "topics": ["a"],
+                "database_url": "postgresql+psycopg://x/y",
+                "kafka_bootstrap_servers": "k",
+                **bad,
+            }  # type: ignore[arg-type]
+        )
+    assert named in str(raised.value) and "\n" not in str(raised.value)
