@@ -115,10 +115,18 @@ def check_database_url(
         bad percent-encoding), or a port is not an integer in 1..65535. The message never
         shows the URL (it may hold a password).
     """
-    scheme, sep, _rest = url.partition("://")
+    scheme, sep, rest = url.partition("://")
     if not sep or scheme.split("+", 1)[0].lower() not in _SCHEMES:
         raise ConfigurationError(
             f"{setting} is not a PostgreSQL URL: give {_FORM}", setting=setting
+        )
+    authority = rest.split("/", 1)[0].split("?", 1)[0]
+    if authority.count("@") > 1:
+        # user:p@ss@host: libpq took "ss@host" for the host and said "unreachable" forever.
+        raise ConfigurationError(
+            f"{setting} has more than one '@' before the host: write an '@' in the user name"
+            " or the password as %40",
+            setting=setting,
         )
     ports = (
         _sqlalchemy_ports(url, setting) if reader == "sqlalchemy" else _libpq_ports(url, setting)
@@ -128,6 +136,35 @@ def check_database_url(
             # The value is not shown: in a URL with an unencoded password it may be a part of it.
             raise ConfigurationError(
                 f"{setting} has a port that is not a TCP port (an integer in 1..65535)",
+                setting=setting,
+            )
+
+
+#: libpq options whose value is one of a few words: a misspelt one makes every connection
+#: fail before it is attempted ("invalid sslmode value"), which read as "unreachable".
+_CHOICES = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "target_session_attrs": (
+        "any",
+        "read-write",
+        "read-only",
+        "primary",
+        "standby",
+        "prefer-standby",
+    ),
+    "load_balance_hosts": ("disable", "random"),
+}
+
+
+def _check_choices(options: Mapping[str, Any], setting: str) -> None:
+    for name, allowed in _CHOICES.items():
+        value = options.get(name)
+        if value is not None and str(value) not in allowed:
+            raise ConfigurationError(
+                f"{setting} has {name}={value!r}, which libpq refuses: use one of"
+                f" {', '.join(allowed)}",
                 setting=setting,
             )
 
@@ -148,6 +185,7 @@ def _libpq_ports(url: str, setting: str) -> list[str]:
         parts = conninfo_to_dict(libpq_url(url))
     except PsycopgError:
         raise _unparsable(setting) from None
+    _check_choices(parts, setting)
     return str(parts.get("port") or "").split(",")
 
 
@@ -173,6 +211,7 @@ def _sqlalchemy_ports(url: str, setting: str) -> list[str]:
         make_conninfo("", **options)
     except PsycopgError:
         raise _unparsable(setting) from None
+    _check_choices(options, setting)
     return [] if port is None else [str(port)]
 
 

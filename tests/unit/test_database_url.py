@@ -138,3 +138,31 @@ def test_connect_args_leave_out_tcp_user_timeout_for_a_libpq_older_than_12(
     assert "tcp_user_timeout" not in args and args["keepalives_idle"] == 10
     monkeypatch.setattr(module, "_libpq_version", lambda: 170_002)
     assert module.connect_args("postgresql://db/app", environ={})["tcp_user_timeout"] == 30_000
+
+
+@pytest.mark.parametrize("reader", ["libpq", "sqlalchemy"])
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("postgresql://postgres:p@s3cret@127.0.0.1:5433/app", "more than one '@'"),
+        ("postgresql+psycopg://u:s3cret@h/app?sslmode=bogus", "sslmode='bogus', which libpq"),
+        ("postgresql://u:s3cret@h/app?target_session_attrs=rw", "target_session_attrs='rw'"),
+    ],
+)
+def test_urls_libpq_refuses_before_connecting_are_refused_not_waited_for(
+    url: str, problem: str, reader: str
+) -> None:
+    """A newcomer's review: an unescaped '@' in the password made libpq look for the host
+    "s3cret@127.0.0.1", and a misspelt sslmode failed every connection before it was
+    tried; both were reported as "the database is unreachable" and the daemons waited
+    forever instead of exiting 2."""
+    with pytest.raises(ConfigurationError, match=problem) as info:
+        check_database_url(url, reader=reader)  # type: ignore[arg-type]
+    assert "s3cret" not in str(info.value)
+
+
+def test_an_escaped_at_sign_in_the_password_passes() -> None:
+    check_database_url("postgresql://postgres:p%40ss@127.0.0.1:5433/app")
+    check_database_url(
+        "postgresql+psycopg://postgres:p%40ss@127.0.0.1:5433/app", reader="sqlalchemy"
+    )
