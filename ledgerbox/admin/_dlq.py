@@ -267,7 +267,19 @@ async def list_dlq_records(
         await store.aclose()
     now = dt.datetime.now(dt.UTC)
     found: list[DlqRecord] = []
-    for record in await _read(kafka, filter.dlq_topic):
+    records = await _read(kafka, filter.dlq_topic)
+    if records and not any(
+        key == H_ERROR_TYPE for record in records for key, _v in (record.headers or ())
+    ):
+        # Every dead-letter record ledgerbox ever wrote carries its error type: a topic with
+        # records and none of them is not a dead-letter topic (a newcomer's review listed a
+        # source topic's events as "dead").
+        raise InvalidFilterError(
+            f"{filter.dlq_topic} holds no dead-letter records (none of its {len(records)}"
+            f" records has the {H_ERROR_TYPE} header): give the dead-letter topic, by default"
+            f" {filter.dlq_topic}.dlq"
+        )
+    for record in records:
         decoded = _decode(record, states.get((record.partition, record.offset), "dead"))
         if _matches(decoded, filter, now):
             found.append(decoded)
@@ -471,6 +483,12 @@ def _is_uuid(text: str) -> bool:
 def _refusal(record: DlqRecord) -> str | None:
     if record.state == "discarded":
         return "it was discarded (a discard is final)"
+    if record.error_type is None:
+        return (
+            f"it is not a dead-letter record (no {H_ERROR_TYPE} header): is"
+            f" {record.dlq_topic} the source topic? its dead-letter topic is by default"
+            f" {record.dlq_topic}.dlq"
+        )
     if record.group is None:
         return (
             "it names no consumer group (no ledgerbox_consumer_group header: dead-lettered by "

@@ -360,3 +360,23 @@ async def test_a_discard_after_a_replay_cancels_it_or_is_refused_once_applied(
             await admin.discard_dlq_records(kafka, db, [refs[1]], actor="bob", dry_run=dry_run)
     assert _audit_count(engine) == before, "nothing audited"
     assert _inbox_status(engine, group, events[1].event_id) == InboxStatus.DONE
+
+
+async def test_a_source_topic_given_as_the_dlq_topic_is_named_as_such(
+    database_url: str, kafka_bootstrap: str, new_topic: Any
+) -> None:
+    """A newcomer's review: ``dlq list --dlq-topic <the source topic>`` (".dlq" forgotten)
+    listed every normal event as "dead", and a replay of one said it was "dead-lettered by
+    an older ledgerbox". Now the list is refused in one line naming the likely mistake, and
+    so is the replay."""
+    topic = await new_topic.acreate("ops-dlq-source", partitions=1)
+    await produce(kafka_bootstrap, topic, [order_event(topic, f"s{i}") for i in range(3)])
+    env = {"DATABASE_URL": database_url, "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap}
+    listed = _cli("dlq", "list", "--dlq-topic", topic, **env)
+    assert listed.returncode == 2, listed.stdout + listed.stderr
+    (line,) = listed.stderr.strip().splitlines()
+    assert f"{topic} holds no dead-letter records" in line
+    assert f"by default {topic}.dlq" in line and "Traceback" not in listed.stderr
+    replay = _cli("dlq", "replay", f"{topic}:0:0", "--dry-run", **env)
+    assert replay.returncode == 2, replay.stdout + replay.stderr
+    assert "it is not a dead-letter record" in replay.stderr
