@@ -69,7 +69,7 @@ class RelayConfig:
         (G3). Each running lane holds two database connections (claim, mark); a lane's
         connections are closed when the relay goes back to one lane.
     poll_interval_s : float
-        Polling fallback when no NOTIFY arrives, in seconds (default 1.0).
+        Polling fallback when no NOTIFY arrives, in seconds (default 1.0, at least 0.01).
     lease_ttl_s : float
         Lifetime of a shard lease without renewal, in seconds (default 5.0).
     heartbeat_interval_s : float
@@ -187,6 +187,9 @@ class RelayConfig:
         # Every duration: finite, in its range (inf/nan parse as floats: a relay that never
         # polls, never renews; a huge one overflows datetime and PostgreSQL intervals).
         check_duration(self.poll_interval_s, "poll_interval_s", low_open=True)
+        # Below 10 ms an idle relay busy-polls (1e-9 s: half a core, a newcomer's review);
+        # NOTIFY wakes it at once anyway.
+        _check(self.poll_interval_s >= 0.01, "poll_interval_s", "must be >= 0.01 (10 ms)")
         check_duration(self.lease_ttl_s, "lease_ttl_s", low_open=True)
         check_duration(
             self.heartbeat_interval_s,

@@ -801,8 +801,12 @@ class Lane:
             if outcomes.get(event.shard) is PersistOutcome.OK:
                 m.DEAD_LETTERED.inc()
                 log.error(
-                    "event dead-lettered: %s",
+                    "event %d (%s, key %s) dead-lettered: %s (`ledgerbox relay dead show %d`)",
+                    event.id,
+                    event.event_id,
+                    event.partition_key,
                     reason,
+                    event.id,
                     extra={"event_id": str(event.event_id), "partition_key": event.partition_key},
                 )
         m.PUBLISHED.inc(published)

@@ -183,3 +183,13 @@ def test_check_duration_bounds() -> None:
         check_duration(0.0, "x", low_open=True, high=600.0)
     with pytest.raises(ConfigurationError, match=r"\(10 years\), a finite number \(got inf\)"):
         check_duration(math.inf, "x")
+
+
+@pytest.mark.parametrize("value", [1e-9, 0.009])
+def test_a_poll_interval_that_would_busy_poll_is_refused(value: float) -> None:
+    """A newcomer's review: ``--poll-interval-s 1e-9`` was accepted and an idle relay used
+    half a core; the fallback poll is bounded below at 10 ms (NOTIFY wakes it anyway)."""
+    with pytest.raises(ConfigurationError, match=r"^poll_interval_s must be >= 0.01") as info:
+        RelayConfig(database_url=URL, kafka_bootstrap_servers="k:9092", poll_interval_s=value)
+    assert info.value.setting == "poll_interval_s"
+    RelayConfig(database_url=URL, kafka_bootstrap_servers="k:9092", poll_interval_s=0.01)
