@@ -248,6 +248,13 @@ def check_command(values: Values, ctx: typer.Context) -> None:
     With --app (or --group and --topic), then the group's lag per partition."""
     if values["app"] is not None:
         config = _load("check", values).config
+        if values["group"] or values["topic"]:
+            # A newcomer's review: --group was dropped without a word.
+            typer.echo(
+                f"ledgerbox consumer check: --group/--topic are not used with --app: the app's"
+                f" group {config.group_id} and its topics are checked",
+                err=True,
+            )
     else:
         for name in ("database_url", "kafka_bootstrap_servers"):
             if values[name] is None:

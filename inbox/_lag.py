@@ -84,7 +84,8 @@ async def group_lag(
                 partitions = consumer.partitions_for_topic(name)
             if not partitions:
                 raise BrokerError(
-                    f"topic {name!r} does not exist on {kafka.describe()}: check --topic",
+                    f"topic {name!r} does not exist on {kafka.describe()}: create it, or fix"
+                    " the topic name (--topic, or the app's ConsumerConfig.topics)",
                     fault=Fault.ENVIRONMENT,
                     kind="UnknownTopicOrPartitionError",
                 )

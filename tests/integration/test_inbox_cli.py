@@ -165,12 +165,23 @@ def test_check_with_an_app_accepts_a_missing_topic_the_broker_will_create(
     )
     lines = done.stdout.strip().splitlines()
     assert (done.returncode, lines[0]) == (0, "ok"), done.stderr
+    # --group with --app is not silently dropped (a newcomer's review).
+    noted = subprocess.run(
+        [sys.executable, "-m", "ledgerbox.inbox", "check", "--app", "fs_check_app:consumer",
+         "--group", "other"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert noted.stderr.strip().splitlines()[-1] == (
+        "ledgerbox consumer check: --group/--topic are not used with --app: the app's group g"
+        " and its topics are checked"
+    ), noted.stderr
     # Then the group's lag (a topic not created yet has none to read; health unchanged).
     assert (
         lines[1:]
         == [
             "lag of group g: unavailable: topic 'fs-no-such-topic' does not exist on "
-            f"{kafka_bootstrap} (PLAINTEXT): check --topic"
+            f"{kafka_bootstrap} (PLAINTEXT): create it, or fix the topic name (--topic, or"
+            " the app's ConsumerConfig.topics)"
         ]
         or lines[-1] == "lag of group g: 0 records"
     ), lines
