@@ -499,7 +499,10 @@ def _refusal(record: DlqRecord) -> str | None:
     if record.event_id is None:
         return "it has no event id (ce_id): it was not a ledgerbox event; fix its producer"
     if not _is_uuid(record.event_id):
-        return f"its event id {record.event_id!r} is not a UUID"
+        return (
+            f"its event id {record.event_id!r} is not a UUID: not a ledgerbox event, fix its"
+            " producer (ce_id must be a UUID)"
+        )
     return None
 
 

@@ -162,7 +162,7 @@ def _check_common(limit: int, older_than_s: float | None, texts: dict[str, str |
             )
     if not 1 <= limit <= MAX_LIMIT:
         raise InvalidFilterError(
-            f"limit must be between 1 and {MAX_LIMIT}, not {limit}", setting="limit"
+            f"limit must be between 1 and {MAX_LIMIT}, not {limit} (--limit)", setting="limit"
         )
     if older_than_s is not None:
         check_duration(older_than_s, "older_than_s", error=InvalidFilterError)
