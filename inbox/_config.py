@@ -244,6 +244,15 @@ class ConsumerConfig:
             kafka_topic(topic)
         if self.dead_letter_topic is not None:
             kafka_topic(self.dead_letter_topic)
+        else:
+            for topic in (*self.topics, *(t for t, _p in self.assignment or ())):
+                if len(topic) + len(".dlq") > 249:  # Kafka's limit on a topic name
+                    raise ConfigurationError(
+                        f"topic {topic[:40]!r}... ({len(topic)} chars) leaves no room for its"
+                        " dead-letter topic <topic>.dlq (249 chars at most): set"
+                        " dead_letter_topic",
+                        setting="dead_letter_topic",
+                    )
         whole = {
             "max_attempts": self.max_attempts,
             "lock_ttl_ms": self.lock_ttl_ms,

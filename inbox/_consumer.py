@@ -72,11 +72,13 @@ STARTUP_RETRY_MAX_S = 5.0
 
 
 #: The identity of an inbox (InboxConsumer._bind_hints): the cluster's system identifier,
-#: the database's OID, the inbox table's OID (``:inbox``, resolved as the consumer's own
-#: statements resolve it). pg_control_system() is executable by every role.
+#: its current timeline (a promoted standby, a point-in-time restore: a new one), the
+#: database's OID, the inbox table's OID (``:inbox``, resolved as the consumer's own
+#: statements resolve it). Every role may call these functions.
 INBOX_IDENTITY = sa.text(
-    "SELECT s.system_identifier::text AS sysid, d.oid::text AS db,"
-    " to_regclass(:inbox)::oid::text AS inbox"
+    "SELECT s.system_identifier::text AS sysid,"
+    " substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) AS timeline,"
+    " d.oid::text AS db, to_regclass(:inbox)::oid::text AS inbox"
     " FROM pg_control_system() AS s, pg_database AS d WHERE d.datname = current_database()"
 )
 
@@ -440,10 +442,13 @@ class InboxConsumer:
 
     async def _bind_hints(self) -> str | None:
         """Scope the Redis hint keys this consumer built to its inbox (RedisDedupStore):
-        the system identifier of the PostgreSQL cluster, the OIDs of the database and of the
-        inbox table, as a short digest. Another deployment sharing Redis and the group name,
-        a database restored into a new cluster, an inbox table dropped and created again:
-        each gets other keys, so no "done" hint of another inbox is believed. Returns the
+        the system identifier of the PostgreSQL cluster, its timeline, the OIDs of the
+        database and of the inbox table, as a short digest (INBOX_IDENTITY). Another
+        deployment sharing Redis and the group name, a database restored into a new cluster
+        or to a point in time, a promoted standby (at the consumer's next start), an inbox
+        table dropped and created again: each gets other keys, so no "done" hint of another
+        inbox is believed. A physical copy started on its own keeps all of it: it needs its
+        own ``redis_key_prefix`` (docs/inbox.md, "Whose hints they are"). Returns the
         cause, one line, when the database did not answer; None when bound (or nothing to
         bind)."""
         dedup = self.dedup
@@ -462,7 +467,7 @@ class InboxConsumer:
         if row.inbox is None:
             name = self.table.qualified_name
             return f"inbox table {name!r} does not exist: run ledgerbox migrate"
-        identity = f"{row.sysid}:{row.db}:{row.inbox}"
+        identity = f"{row.sysid}:{row.timeline}:{row.db}:{row.inbox}"
         dedup.bind(hashlib.blake2b(identity.encode(), digest_size=8).hexdigest())
         return None
 

@@ -257,6 +257,9 @@ class KafkaRunner:
         background = [
             asyncio.create_task(self._commit_loop()),
             asyncio.create_task(self._probe_loop()),
+            # Its own task: it goes on while a stop or a client replacement waits for the
+            # batches in flight (a review: from the fetch loop it stopped right then).
+            asyncio.create_task(self._stall_loop()),
         ]
         failure: str | None = None
         try:
@@ -348,7 +351,6 @@ class KafkaRunner:
             if time.monotonic() >= next_lag:
                 next_lag = time.monotonic() + LAG_REFRESH_S
                 await self.refresh_lag(kafka)
-                self.report_stalls(self.batch_stalls())
                 if (stall := self.fetch_stall(kafka)) is not None:
                     self._stall_bound_s = min(2 * self._stall_bound_s, FETCH_STALL_MAX_S)
                     raise KafkaClientFailed(stall, "no_fetch_response")
@@ -523,6 +525,11 @@ class KafkaRunner:
             self.commit_wanted.clear()
             await self.commit(list(self.workers.values()))
             await asyncio.sleep(interval_s)
+
+    async def _stall_loop(self) -> None:
+        while True:
+            await asyncio.sleep(LAG_REFRESH_S)
+            self.report_stalls(self.batch_stalls())
 
     async def _probe_loop(self) -> None:
         deps = self.deps

@@ -13,6 +13,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import sqlalchemy as sa
@@ -118,10 +119,11 @@ class OutboxWriter:
     max_record_bytes : int | None
         Largest Kafka record accepted, in bytes (default :data:`DEFAULT_MAX_RECORD_BYTES`,
         1 MiB: the relay's default ``max_request_bytes``): the payload as the relay sends
-        it (PostgreSQL's ``jsonb`` text, which puts a space after each ``:`` and ``,``), the
-        key and the headers. Checked only for a payload large enough to come near it (from
-        about two thirds of it: a second rendering of the payload), so small events cost
-        nothing. A larger record would be dead-lettered by the relay after the commit;
+        it (PostgreSQL's ``jsonb`` text, which puts a space after each ``:`` and ``,`` and
+        prints ``1e+300`` as 301 digits), the key and the headers. Sized (a second rendering
+        of the payload) only for an event that can come near it: a payload from about two
+        thirds of it, long strings in the key or headers, a number in exponent form; a
+        small event costs a length sum and a byte search (~1 us). A larger record would be dead-lettered by the relay after the commit;
         refused here instead (:class:`RecordTooLargeError`). ``None``: not checked.
     max_future_s : float | None
         Latest event time accepted, in seconds after the writer's clock (default 3000 s =
@@ -568,17 +570,16 @@ class OutboxWriter:
         payload_json = dumps_payload(event.payload)
         if len(payload_json) > self.max_payload_bytes:
             raise PayloadTooLargeError(len(payload_json), self.max_payload_bytes)
+        headers_json = json.dumps(event.headers, separators=(",", ":"), ensure_ascii=False)
         limit = self.max_record_bytes
-        # jsonb's text is at most 1.5 times the compact JSON (", " for ","), the key and the
-        # headers are small: only a payload from about 2/3 of the limit can come near it.
-        if limit is not None and 3 * len(payload_json) >= 2 * limit - 65_536:
+        if limit is not None and _may_exceed(event, payload_json, headers_json, limit):
             size = record_size(event)
             if size > limit:
                 raise RecordTooLargeError(size, limit)
         row = self._values(event)
         params = dict(row)
         params["payload"] = payload_json.decode("utf-8")
-        params["headers"] = json.dumps(event.headers, separators=(",", ":"), ensure_ascii=False)
+        params["headers"] = headers_json
         return row, params
 
     def _values(self, event: EventEnvelope) -> dict[str, Any]:
@@ -881,14 +882,58 @@ def envelope_from_row(row: Mapping[Any, Any]) -> EventEnvelope:
     )
 
 
+#: A number in exponent form in the compact JSON of ``json.dumps`` (``1e+300``, ``1.5e-07``:
+#: a float's repr, always ``e`` and a sign), as a value (after ``:``, ``,`` or ``[``, before
+#: ``,``, ``]`` or ``}``): ``jsonb`` prints it in full (301 digits), so the payload's size says
+#: nothing about the record's then. Not matched inside an ordinary string (a UUID's "3e4f").
+_EXPONENT = re.compile(rb"[:,\[]-?[0-9]+(?:\.[0-9]+)?e[+-][0-9]+[,\]}]")
+
+
+def _may_exceed(event: EventEnvelope, payload_json: bytes, headers_json: str, limit: int) -> bool:
+    """Whether the record of ``event`` can come near ``limit`` (then :func:`record_size`
+    sizes it). ``jsonb`` prints the payload at most 1.5 times as long as its compact JSON
+    (``", "`` for ``","``) except for numbers in exponent form; each other string becomes a
+    header or the key, at most 4 UTF-8 bytes a character; 32 KiB cover the fixed headers and
+    Kafka's framing."""
+    strings = (
+        len(headers_json)
+        + len(event.partition_key)
+        + len(event.idempotency_key)
+        + len(event.aggregate_id)
+        + len(event.aggregate_type)
+        + len(event.event_type)
+        + len(event.source)
+    )
+    if 3 * len(payload_json) + 8 * strings + 65_536 >= 2 * limit:
+        return True
+    if b"e+" not in payload_json and b"e-" not in payload_json:  # the common case, fast
+        return False
+    return _EXPONENT.search(payload_json) is not None
+
+
+def _jsonb_text_delta(value: Any) -> int:
+    """How many bytes longer ``jsonb`` prints the floats in ``value`` than ``json.dumps``
+    (``1e+300`` -> ``1`` and 300 zeros: ``numeric`` has no exponent form)."""
+    if isinstance(value, float):
+        text = repr(value)
+        return len(format(Decimal(text), "f")) - len(text)
+    if isinstance(value, dict):
+        return sum(_jsonb_text_delta(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_jsonb_text_delta(v) for v in value)
+    return 0
+
+
 def record_size(event: EventEnvelope) -> int:
     """Kafka's estimate, in bytes, of the record the relay sends for ``event`` (what the
     producer compares with its ``max_request_size``): the payload as PostgreSQL's ``jsonb``
-    prints it (``", "`` and ``": "`` between items; numbers in exponent form would print
-    longer), the partition key and the CloudEvents and extra headers."""
+    prints it (``", "`` and ``": "`` between items, numbers without exponent), the partition
+    key and the CloudEvents and extra headers."""
     from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
     value = json.dumps(event.payload, ensure_ascii=False, separators=(", ", ": ")).encode()
+    # The record's value is only sized: padding stands for the longer numbers.
+    value += b" " * _jsonb_text_delta(event.payload)
     headers = kafka_headers(
         event_id=event.event_id,
         event_type=event.event_type,

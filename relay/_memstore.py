@@ -451,7 +451,10 @@ class InMemoryRelayStore:
             ],
             held=sum(1 for r in rows if r.status == _HELD),
             refused=[(s, lease.refused) for s, lease in sorted(t.leases.items()) if lease.refused],
-            stray=min(STRAY_COUNT_CAP, sum(1 for r in rows if _stray(r, shard_count))),
+            stray=min(
+                STRAY_COUNT_CAP,
+                sum(1 for r in rows if r.event.shard >= shard_count and self._pending(r)),
+            ),
         )
 
     async def owned_stats(self, shards: Sequence[int]) -> tuple[int, float | None]:
@@ -658,8 +661,3 @@ def _with_held(event: ClaimedEvent) -> ClaimedEvent:
 
 def _live(lease: _Lease, now: float) -> bool:
     return lease.expires_at is not None and lease.expires_at > now
-
-
-def _stray(row: _Row, shard_count: int) -> bool:
-    """Waiting in a shard no relay with ``shard_count`` claims (RelayStats.stray)."""
-    return row.status == _PENDING and not 0 <= row.event.shard < shard_count

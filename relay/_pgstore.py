@@ -454,9 +454,15 @@ _PENDING_ROWS: LiteralString = _ALL_SHARDS + _PENDING_OF_SHARDS
 PENDING_COUNT: LiteralString = _PENDING_COUNT_HEAD + _PENDING_ROWS + _PENDING_COUNT_TAIL
 
 _STATS_HEAD: LiteralString = "WITH p AS ("
-# Stray rows: pending in a shard no relay with this shard_count claims (the writers'
-# OutboxTable.shard_count is larger): counted up to STRAY_COUNT_CAP (10,000), through the
-# (shard, txid, id) index - a range that is empty when the settings agree.
+# Stray rows: rows no cursor has passed in a shard no relay with this shard_count claims (the
+# writers' OutboxTable.shard_count is larger), counted up to STRAY_COUNT_CAP (10,000). The
+# shards from shard_count to the largest one in the table (max(shard): one index probe; none
+# when the settings agree), each read as a claim reads it: only rows past its cursor, if a
+# relay with a larger shard_count once published it (a review found a seq scan over the
+# published rows of those shards with "status = 0" alone, and counted them as waiting).
+_STRAY_SHARDS: LiteralString = """
+  SELECT o.created_at
+  FROM generate_series(%(shard_count)s::int, (SELECT max(shard) FROM {outbox})::int) AS s(shard)"""
 _STATS_TAIL: LiteralString = """
 )
 SELECT
@@ -464,12 +470,13 @@ SELECT
   (SELECT extract(epoch FROM now() - min(p.created_at))::float8 FROM p),
   (SELECT count(*) FROM {outbox} WHERE status = 2),
   (SELECT count(*) FROM {outbox} WHERE status = 3),
-  (SELECT count(*) FROM (
-     SELECT 1 FROM {outbox} AS o
-     WHERE (o.shard >= %(shard_count)s OR o.shard < 0) AND o.status = 0
+  (SELECT count(*) FROM ("""
+_STRAY_TAIL: LiteralString = """
      LIMIT 10000) AS stray)
 """
-STATS: LiteralString = _STATS_HEAD + _PENDING_ROWS + _STATS_TAIL
+STATS: LiteralString = (
+    _STATS_HEAD + _PENDING_ROWS + _STATS_TAIL + _STRAY_SHARDS + _PENDING_OF_SHARDS + _STRAY_TAIL
+)
 
 # The same rows for the shards this relay holds (its own gauges).
 _OWNED_STATS_TAIL: LiteralString = """

@@ -56,6 +56,8 @@ async def test_record_size_is_the_size_of_the_record_the_relay_sends(
         },
         {"many": list(range(2000)), "dicts": [{"k": i} for i in range(200)]},
         {},
+        # jsonb prints numbers without exponent: 1e+300 is 301 digits on the wire (review).
+        {"exp": [1e300, 1e-05, 1.5e-07, 1e16, -2.5e-10, 123.456, 0.1, 100.0, 2.0**70]},
     ]
     events = [
         w.event(
@@ -98,13 +100,21 @@ def test_an_event_the_relay_would_refuse_for_its_size_is_refused_at_write_time(
     w = writer("size-refused")
     at_limit = {"blob": "x" * (MIB - len('{"blob":""}'))}
     spread = {"zeros": [0] * 360_000}  # compact 720 KB, jsonb text ~1.08 MB
-    for i, payload in enumerate([at_limit, spread]):
+    exponents = {"v": [1e300] * 5000}  # compact 35 KB, jsonb text 1.5 MB (review)
+    cases: list[tuple[dict[str, Any], dict[str, str]]] = [
+        (at_limit, {}),
+        (spread, {}),
+        (exponents, {}),
+        ({"a": 1}, {"x-big": "h" * 1_100_000}),  # a small payload, a huge header (review)
+    ]
+    for i, (payload, headers) in enumerate(cases):
         event = w.event(
             event_type="Sized",
             aggregate_type="thing",
             aggregate_id=f"r{i}",
             payload=payload,
             idempotency_key=f"refused:{i}",
+            headers=headers,
         )
         with (
             pytest.raises(RecordTooLargeError) as raised,

@@ -405,6 +405,7 @@ def test_schema_revision_is_the_head_of_the_migrations() -> None:
         ({"topics": ["a", ""]}, "'' is not a legal Kafka topic name"),
         ({"dead_letter_topic": "dlq/x"}, "'dlq/x' is not a legal Kafka topic name"),
         ({"topics": [], "assignment": [("a b", 0)]}, "'a b' is not a legal Kafka topic name"),
+        ({"topics": ["a" * 248]}, "leaves no room for its dead-letter topic"),
         ({"max_attempts": 2.5}, "max_attempts must be a whole number, got 2.5"),
         ({"max_attempts": True}, "max_attempts must be a whole number, got True"),
         ({"max_attempts": "3"}, "max_attempts must be a whole number, got '3'"),
