@@ -123,8 +123,9 @@ class OutboxWriter:
         prints ``1e+300`` as 301 digits), the key and the headers. Sized (a second rendering
         of the payload) only for an event that can come near it: a payload from about two
         thirds of it, long strings in the key or headers, a number in exponent form; a
-        small event costs a length sum and a byte search (~1 us). A larger record would be dead-lettered by the relay after the commit;
-        refused here instead (:class:`RecordTooLargeError`). ``None``: not checked.
+        small event costs a length sum and a byte search (~1 us). A larger record would be
+        dead-lettered by the relay after the commit; refused here instead
+        (:class:`RecordTooLargeError`). ``None``: not checked.
     max_future_s : float | None
         Latest event time accepted, in seconds after the writer's clock (default 3000 s =
         50 min). Kafka refuses a record timestamp more than
