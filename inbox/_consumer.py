@@ -449,8 +449,8 @@ class InboxConsumer:
         table dropped and created again: each gets other keys, so no "done" hint of another
         inbox is believed. A physical copy started on its own keeps all of it: it needs its
         own ``redis_key_prefix`` (docs/inbox.md, "Whose hints they are"). Returns the
-        cause, one line, when the database did not answer; None when bound (or nothing to
-        bind)."""
+        cause, one line, when the database did not answer the query or refused it; None
+        when bound (or nothing to bind)."""
         dedup = self.dedup
         if not isinstance(dedup, RedisDedupStore) or not dedup.scoped:
             return None
@@ -463,7 +463,7 @@ class InboxConsumer:
             error = DatabaseError.translate(exc, "connect")
             if error is None:
                 raise
-            return f"database unreachable while reading the inbox's identity: {error}"
+            return f"the inbox's identity could not be read (Redis hints): {error}"
         if row.inbox is None:
             name = self.table.qualified_name
             return f"inbox table {name!r} does not exist: run ledgerbox migrate"

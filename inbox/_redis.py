@@ -241,7 +241,8 @@ class RedisDedupStore:
     environment, another tenant's database) or a database restored into a new cluster must
     not see each other's keys. :class:`inbox.InboxConsumer` builds its store with
     ``scoped=True`` and, at the start of ``run``, :meth:`bind` s it to the identity of its
-    inbox (the PostgreSQL system identifier, the database's and the inbox table's OIDs);
+    inbox (the PostgreSQL system identifier and timeline, the database's and the inbox
+    table's OIDs: ``InboxConsumer._bind_hints``);
     until then the store knows nothing and writes nothing (every event goes to the
     database, which decides anyway: G4, G6).
 
