@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from ledgerbox.inbox._errors import RedisUnavailableError
 from ledgerbox.inbox._redis import LockLease, new_token
-from ledgerbox.outbox import EventEnvelope, kafka_headers
+from ledgerbox.outbox import EventEnvelope
 from ledgerbox.outbox._envelope import dumps_payload
+from ledgerbox.outbox._wire import envelope_headers
 
 __all__ = [
     "FakeRecord",
@@ -189,17 +190,7 @@ class FakeRecord:
 
 def kafka_parts(event: EventEnvelope) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
     """The Kafka key, value and headers the relay writes for ``event``."""
-    headers = kafka_headers(
-        event_id=event.event_id,
-        event_type=event.event_type,
-        source=event.source,
-        occurred_at=event.occurred_at,
-        idempotency_key=event.idempotency_key,
-        aggregate_type=event.aggregate_type,
-        aggregate_id=event.aggregate_id,
-        aggregate_version=event.aggregate_version,
-        extra=event.headers,
-    )
+    headers = envelope_headers(event)
     return event.partition_key.encode("utf-8"), dumps_payload(event.payload), headers
 
 

@@ -34,7 +34,13 @@ from ledgerbox._core.names import (
 from ledgerbox.outbox._envelope import EventEnvelope, one_line
 from ledgerbox.outbox._errors import EnvelopeParseError
 
-__all__ = ["CONTENT_TYPE", "envelope_from_kafka", "kafka_headers", "timestamp_ms"]
+__all__ = [
+    "CONTENT_TYPE",
+    "envelope_from_kafka",
+    "envelope_headers",
+    "kafka_headers",
+    "timestamp_ms",
+]
 
 _SPEC_VERSION = b"1.0"
 _CONTENT_TYPE_BYTES = CONTENT_TYPE.encode()
@@ -69,6 +75,21 @@ def kafka_headers(
     if extra:
         headers.extend((k, v.encode()) for k, v in extra.items() if k not in KNOWN_HEADERS)
     return headers
+
+
+def envelope_headers(event: EventEnvelope) -> list[tuple[str, bytes]]:
+    """:func:`kafka_headers` of ``event``: the headers the relay writes for it."""
+    return kafka_headers(
+        event_id=event.event_id,
+        event_type=event.event_type,
+        source=event.source,
+        occurred_at=event.occurred_at,
+        idempotency_key=event.idempotency_key,
+        aggregate_type=event.aggregate_type,
+        aggregate_id=event.aggregate_id,
+        aggregate_version=event.aggregate_version,
+        extra=event.headers,
+    )
 
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)

@@ -45,7 +45,7 @@ from ledgerbox.outbox._errors import (
 from ledgerbox.outbox._routing import TopicRouter
 from ledgerbox.outbox._table import OutboxTable, shard_of
 from ledgerbox.outbox._trace import producer_trace_headers
-from ledgerbox.outbox._wire import kafka_headers
+from ledgerbox.outbox._wire import envelope_headers
 
 __all__ = [
     "DEFAULT_MAX_FUTURE_S",
@@ -935,17 +935,7 @@ def record_size(event: EventEnvelope) -> int:
     value = json.dumps(event.payload, ensure_ascii=False, separators=(", ", ": ")).encode()
     # The record's value is only sized: padding stands for the longer numbers.
     value += b" " * _jsonb_text_delta(event.payload)
-    headers = kafka_headers(
-        event_id=event.event_id,
-        event_type=event.event_type,
-        source=event.source,
-        occurred_at=event.occurred_at,
-        idempotency_key=event.idempotency_key,
-        aggregate_type=event.aggregate_type,
-        aggregate_id=event.aggregate_id,
-        aggregate_version=event.aggregate_version,
-        extra=event.headers,
-    )
+    headers = envelope_headers(event)
     size: int = DefaultRecordBatchBuilder.estimate_size_in_bytes(
         key=event.partition_key.encode(), value=value, headers=headers
     )

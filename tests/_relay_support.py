@@ -185,6 +185,20 @@ def stage(engine: Engine, writer: OutboxWriter, events: Iterable[EventEnvelope])
             writer.stage(session, ev)
 
 
+def stage_stray(engine: Engine, keys: int) -> int:
+    """Stage one event for each of ``keys`` keys through writers with
+    ``OutboxTable(shard_count=128)``, in ONE transaction; return how many landed in shards
+    64-127, which relays with the default 64 shards never claim."""
+    from ledgerbox.outbox import OutboxTable, shard_of
+
+    writer = OutboxWriter(
+        TopicRouter(default="stray"), source="/stray", table=OutboxTable(shard_count=128)
+    )
+    names = [f"k{i}" for i in range(keys)]
+    stage(engine, writer, [event(writer, name, 1) for name in names])
+    return sum(1 for name in names if shard_of(name, 128) >= 64)
+
+
 def config(database_url: str, kafka: str, **overrides: Any) -> RelayConfig:
     values: dict[str, Any] = {
         "database_url": database_url,

@@ -52,6 +52,20 @@ class CountingStore(RedisDedupStore):
         return await super().claim(group, event_id, owner, ttl_ms)
 
 
+def paying(consumer: InboxConsumer) -> InboxConsumer:
+    """``consumer`` with the test's ``OrderPlaced`` handler (one row in ``applied``)."""
+
+    @consumer.handler("OrderPlaced")
+    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
+        await ctx.session.execute(
+            sa.insert(applied).values(
+                consumer_group=ctx.group_id, order_id=event.payload["order_id"]
+            )
+        )
+
+    return consumer
+
+
 def consumer_for(
     database_url: str, bootstrap: str, topic: str, group: str, store: CountingStore
 ) -> InboxConsumer:
@@ -66,16 +80,7 @@ def consumer_for(
         ),
         dedup=store,
     )
-
-    @consumer.handler("OrderPlaced")
-    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
-        await ctx.session.execute(
-            sa.insert(applied).values(
-                consumer_group=ctx.group_id, order_id=event.payload["order_id"]
-            )
-        )
-
-    return consumer
+    return paying(consumer)
 
 
 def applied_ids(engine: Engine, group: str) -> list[str]:
@@ -209,16 +214,7 @@ def redis_consumer(
             commit_interval_ms=20,
         )
     )
-
-    @consumer.handler("OrderPlaced")
-    async def pay(ctx: HandlerContext[AsyncSession], event: EventEnvelope) -> None:
-        await ctx.session.execute(
-            sa.insert(applied).values(
-                consumer_group=ctx.group_id, order_id=event.payload["order_id"]
-            )
-        )
-
-    return consumer
+    return paying(consumer)
 
 
 async def test_another_inbox_sharing_redis_and_the_group_name_never_believes_these_hints(

@@ -128,15 +128,10 @@ def test_events_in_shards_no_relay_claims_are_reported_by_status_check_and_admin
     import asyncio
 
     from ledgerbox import admin
-    from ledgerbox.outbox import OutboxTable, OutboxWriter, TopicRouter, shard_of
 
     rs.reset_relay_tables(engine)
-    writer = OutboxWriter(
-        TopicRouter(default="stray"), source="/stray", table=OutboxTable(shard_count=128)
-    )
     keys = [f"k{i}" for i in range(40)]
-    rs.stage(engine, writer, [rs.event(writer, key, 1) for key in keys])
-    stray = sum(1 for key in keys if shard_of(key, 128) >= 64)
+    stray = rs.stage_stray(engine, len(keys))
     assert 0 < stray < len(keys)
 
     out = _cli("status", DATABASE_URL=database_url)

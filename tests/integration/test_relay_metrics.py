@@ -53,16 +53,10 @@ async def test_stray_gauge_and_one_error_line_for_events_outside_the_relays_shar
     round sets ``ledgerbox_relay_stray_events`` and logs the cause once, not every round."""
     import logging
 
-    from ledgerbox.outbox import OutboxTable, OutboxWriter, TopicRouter, shard_of
     from ledgerbox.relay._metrics import STRAY_EVENTS
 
     rs.reset_relay_tables(engine)
-    writer = OutboxWriter(
-        TopicRouter(default="stray"), source="/stray", table=OutboxTable(shard_count=128)
-    )
-    keys = [f"k{i}" for i in range(20)]
-    rs.stage(engine, writer, [rs.event(writer, key, 1) for key in keys])
-    stray = sum(1 for key in keys if shard_of(key, 128) >= 64)
+    stray = rs.stage_stray(engine, 20)
     relay = Relay(rs.config(database_url, "unused:9092", lanes=1), publisher=InMemoryPublisher())
     caplog.set_level(logging.ERROR, logger="ledgerbox.relay")
     try:
