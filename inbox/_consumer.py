@@ -30,10 +30,12 @@ import sqlalchemy as sa
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from ledgerbox._core.database_url import connect_args, sqlalchemy_url
+from ledgerbox._core.database_url import connect_args, database_label, sqlalchemy_url
 from ledgerbox._core.durations import check_duration
 from ledgerbox._core.errors import ConfigurationError, DatabaseError
+from ledgerbox._core.event_loop import loop_name
 from ledgerbox._core.faults import PermanentVerdict
+from ledgerbox._core.redis_url import redis_label
 from ledgerbox._core.stop import StopSignal
 from ledgerbox.inbox._batch import BatchPipeline
 from ledgerbox.inbox._checks import CheckResult, check_consumer
@@ -427,18 +429,39 @@ class InboxConsumer:
             When the database or Kafka refused the credentials (waiting cannot fix it).
         """
         self._kafka_grace = None  # not the grace an earlier run spent
+        started = False
         try:
             await self._until_ready()
             if self._stop_requested:
                 return
             runner = KafkaRunner(self._deps, self._batches.process)
             self._runner, self._kafka_grace = runner, runner.kafka_grace
+            _log.info("%s", self._start_line())
+            started = True
             if self._stop_requested:
                 runner.stop()
             await runner.run()
         finally:
             self._runner = None
             await self.aclose()
+        if started:
+            _log.info("consumer group %s stopped", self.config.group_id)
+
+    def _start_line(self) -> str:
+        """The one INFO line a consumer starts with (after its startup checks passed): what
+        it consumes and where it writes, without a secret, so whoever is on call sees in the
+        log which database, cluster and Redis this process uses."""
+        config = self.config
+        if config.redis_url is None:
+            redis = "none (the inbox table alone de-duplicates)"
+        else:
+            locks = "aggregate locks on" if config.lock_aggregates else "aggregate locks off"
+            redis = f"{redis_label(config.redis_url)} (hints, {locks})"
+        return (
+            f"consumer group {config.group_id} starting: topics {', '.join(config.topics)}, "
+            f"database {database_label(config.database_url)}, "
+            f"kafka {config.kafka_settings.describe()}, redis {redis}, event loop {loop_name()}"
+        )
 
     async def _bind_hints(self) -> str | None:
         """Scope the Redis hint keys this consumer built to its inbox (RedisDedupStore):

@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ledgerbox._core.errors import ConfigurationError
 
-__all__ = ["check_redis_url"]
+__all__ = ["check_redis_url", "redis_label"]
 
 _SCHEMES = ("redis", "rediss", "unix")
 _FORM = "redis://[user:password@]host:6379/0, rediss://... (TLS) or unix:///path/redis.sock"
@@ -69,3 +69,24 @@ def check_redis_url(url: str, setting: str = "redis_url") -> None:
             f"value?): give {_FORM}",
             setting=setting,
         ) from None
+
+
+def redis_label(url: str) -> str:
+    """``host:port/db`` of a Redis URL for log lines, ``+TLS`` for ``rediss://``, the socket
+    path for ``unix://``: never the user or the password; ``"(redis)"`` when it cannot be
+    read (a URL that :func:`check_redis_url` accepted always can)."""
+    try:
+        split = urlsplit(url)
+        host, port = split.hostname, split.port
+    except ValueError:
+        return "(redis)"
+    scheme = split.scheme.lower()
+    databases = [v for k, v in parse_qsl(split.query) if k == "db"]
+    if scheme == "unix":
+        return f"{split.path or '(redis)'}{f' db {databases[0]}' if databases else ''}"
+    if not host:
+        host = "localhost"
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    db = unquote(split.path).lstrip("/") or (databases[0] if databases else "0")
+    return f"{host}:{port or 6379}/{db}{' +TLS' if scheme == 'rediss' else ''}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import signal
@@ -19,10 +20,12 @@ import pytest
 import pytest_asyncio
 import sqlalchemy as sa
 from redis.asyncio import Redis
-from sqlalchemy import Engine
+from sqlalchemy import Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
+from ledgerbox._core.database_url import database_label
+from ledgerbox._core.redis_url import redis_label
 from ledgerbox.inbox import ConsumerConfig, HandlerContext, InboxConsumer, Outcome
 from ledgerbox.inbox import _runner as runner_module
 from ledgerbox.inbox._handlers import ConsumerHooks
@@ -289,6 +292,19 @@ async def test_redelivery_after_kill_between_db_commit_and_offset_commit(
         second.send_signal(signal.SIGTERM)
         assert second.wait(60) == 0, log.read_text()
     assert payment_rows(engine, group) == [("21", Decimal("42.50"), "async")]
+    # Each run said what it consumes and where (no secret); only the clean stop says so.
+    text = log.read_text()
+    started = [line for line in text.splitlines() if f"consumer group {group} starting: " in line]
+    assert len(started) == 2, text
+    assert started[-1].endswith(
+        f"consumer group {group} starting: topics {topic}, "
+        f"database {database_label(database_url)}, kafka {kafka_bootstrap} (PLAINTEXT), "
+        f"redis {redis_label(redis_url)} (hints, aggregate locks off), event loop "
+        + ("uvloop" if importlib.util.find_spec("uvloop") else "asyncio")  # event_loop "auto"
+    ), started
+    assert text.count(f"consumer group {group} stopped") == 1, text
+    password = make_url(database_url).password
+    assert not password or password not in text
 
 
 async def test_two_consumer_groups_each_apply_the_event_once(

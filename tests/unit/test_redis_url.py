@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ledgerbox import ConfigurationError
-from ledgerbox._core.redis_url import check_redis_url
+from ledgerbox._core.redis_url import check_redis_url, redis_label
 from ledgerbox.inbox import ConsumerConfig
 
 
@@ -53,3 +53,19 @@ def test_a_redis_url_that_can_never_work_is_refused(url: str, why: str) -> None:
 )
 def test_redis_urls_that_can_work_are_accepted(url: str) -> None:
     check_redis_url(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "label"),
+    [
+        ("redis://127.0.0.1:6380/0", "127.0.0.1:6380/0"),
+        ("redis://:hunter2@cache/3", "cache:6379/3"),
+        ("redis://user:hunter2@cache?db=4", "cache:6379/4"),
+        ("rediss://user:hunter2@[::1]:7000", "[::1]:7000/0 +TLS"),
+        ("unix://:hunter2@/run/redis.sock?db=2", "/run/redis.sock db 2"),
+        ("redis://", "localhost:6379/0"),
+    ],
+)
+def test_the_start_line_names_redis_without_its_password(url: str, label: str) -> None:
+    check_redis_url(url)
+    assert redis_label(url) == label
