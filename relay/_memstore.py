@@ -424,6 +424,10 @@ class InMemoryRelayStore:
             and row.seq < horizon
             and row.event.shard in t.leases
             and t.leases[row.event.shard].cursor.lo is not None
+            and t.leases[row.event.shard].refused is None
+            and not self._ahead(
+                t.leases[row.event.shard].cursor.hi or t.leases[row.event.shard].cursor.lo
+            )
             and row.seq <= _seq(t.leases[row.event.shard].cursor.lo)
         ][:limit]
         for row_id in old:

@@ -398,9 +398,13 @@ SELECT (SELECT count(*) FROM ins), (SELECT count(*) FROM del)
 # (txid < xmin(lo)), it was committed before a tick older than the retention, it is older
 # than the retention by created_at and it is published (0), published under schema v1 (1)
 # or discarded (4): never a pending, held (3) or dead-lettered (2) row, never a row of a
-# shard without a cursor. ARRAY(subquery) runs once (an InitPlan): with "id IN (subquery)"
-# a nested-loop semi join could re-run the LIMIT subquery per outer row, deleting more than
-# the limit (seen: 2 rows with limit 1).
+# shard without a cursor, and never by a cursor this cluster has not vouched for: refused,
+# written on another cluster (system identifier) and not validated here, or ahead of the
+# counter (a restore into a cluster behind: every row written since has a txid below that
+# cursor and is unpublished; found by an adversarial review, 2026-12-05, which saw cleanup
+# delete them before `relay rebase` could send them). ARRAY(subquery) runs once (an
+# InitPlan): with "id IN (subquery)" a nested-loop semi join could re-run the LIMIT subquery
+# per outer row, deleting more than the limit (seen: 2 rows with limit 1).
 CLEANUP_PUBLISHED: LiteralString = """
 DELETE FROM {outbox} WHERE id = ANY(ARRAY(
   SELECT c.id
@@ -417,7 +421,9 @@ DELETE FROM {outbox} WHERE id = ANY(ARRAY(
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
   ) AS c
-  WHERE l.shard >= 0 AND l.lo IS NOT NULL
+  WHERE l.shard >= 0 AND l.lo IS NOT NULL AND l.refused IS NULL
+    AND l.sysid = (SELECT system_identifier FROM pg_control_system())
+    AND pg_snapshot_xmax(coalesce(l.hi, l.lo)) <= pg_snapshot_xmax(pg_current_snapshot())
   LIMIT %(limit)s
 )) AND status IN (0, 1, 4)
 """

@@ -399,3 +399,48 @@ async def test_a_new_system_identifier_with_the_counter_kept_is_silent(
         ).scalar_one()
     assert refused == 0
     assert moved == 0, "the lease rows name this cluster again"
+
+
+# --------------------------------------------------------------------------- cleanup
+
+
+async def test_cleanup_never_deletes_by_a_refused_cursor(engine: Engine, database_url: str) -> None:
+    """The state of a restore into a cluster behind (the lease rows carry cursors ahead of
+    the counter), left unrepaired past the retention: the leader's cleanup ran while the
+    shards were refused and deleted the events written since the restore, which such a
+    cursor counts as passed (an adversarial review, 2026-12-05: 6 rows deleted, 0 of 5 new
+    events left for `relay rebase` to send)."""
+    rs.reset_relay_tables(engine)
+    topic = f"cleanup-{uuid.uuid4().hex[:6]}"
+    _stage(database_url, topic, range(0, 1))
+    assert await _drain(database_url, "unused:9092", InMemoryPublisher()) == 4
+    with engine.begin() as conn:
+        xmax = int(conn.execute(text("SELECT pg_snapshot_xmax(pg_current_snapshot())")).one()[0])
+        ahead = f"{xmax + 1_000_000}:{xmax + 1_000_000}:"
+        conn.execute(
+            text("UPDATE outbox_relay_lease SET lo = :lo, hi = NULL WHERE shard >= 0"),
+            {"lo": ahead},
+        )
+    _stage(database_url, topic, range(1, 3))  # written after the "restore": never published
+    relay = Relay(rs.config(database_url, "unused:9092"), publisher=InMemoryPublisher())
+    try:
+        for _ in range(3):
+            assert await relay.run_once() == 0, "refused: nothing published"
+        assert relay.is_leader()
+        # Past the retention (default 7 days): the rows and a tick taken after them are old.
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE outbox SET created_at = created_at - interval '8 days'"))
+            conn.execute(
+                text(
+                    "INSERT INTO outbox_relay_tick (taken_at, horizon) SELECT now() -"
+                    " interval '7 days 1 hour', pg_snapshot_xmin(pg_current_snapshot())"
+                )
+            )
+        await relay.cleanup_once()
+    finally:
+        await relay.aclose()
+    with engine.connect() as conn:
+        left = conn.execute(
+            text("SELECT count(*) FROM outbox WHERE topic = :t AND status = 0"), {"t": topic}
+        ).scalar_one()
+    assert left == 12, "every row the refused cursors count as passed is still there"
