@@ -555,7 +555,12 @@ async def test_c14_cleanup_bounded_batches_never_deletes_pending(
                 " FROM generate_series(-1, 63) g ON CONFLICT (shard) DO NOTHING"
             )
         )
-        conn.execute(text("UPDATE outbox_relay_lease SET lo = pg_current_snapshot()"))
+        conn.execute(
+            text(
+                "UPDATE outbox_relay_lease SET lo = pg_current_snapshot(),"
+                " sysid = (SELECT system_identifier FROM pg_control_system())"
+            )
+        )
     with engine.begin() as conn:
         # Old but NOT published (committed after the cursor: pending) or dead-lettered:
         # cleanup must never touch them, although they are older than the retention and
