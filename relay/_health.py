@@ -20,9 +20,11 @@ __all__ = ["HealthReport", "RelayHealth"]
 log = logging.getLogger("ledgerbox.relay")
 
 #: Who reports: the producer ("kafka"), the heartbeat ("leases": the lease and member
-#: tables) and the lanes ("claims": the outbox table). Each reports its own state, so one
-#: part working never hides another one failing.
-Part = Literal["kafka", "leases", "claims"]
+#: tables) and the lanes ("claims": the outbox table; "persists": writing the cursors, dead
+#: and held rows after Kafka confirmed a batch). Each reports its own state, so one part
+#: working never hides another one failing (claims that work while every persist fails
+#: left the lane stuck with health ok: an adversarial review, 2026-12-05).
+Part = Literal["kafka", "leases", "claims", "persists"]
 
 
 @dataclass(frozen=True, slots=True)

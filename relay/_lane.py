@@ -178,6 +178,8 @@ class _Batch:
     before: dict[int, ShardState]
     after: dict[int, ShardState]
     hi: dict[int, str]
+    #: The persist connection's epoch when the claim ran (CursorWrite.epoch).
+    epoch: int | None = None
 
 
 _EMPTY = _Batch([], {}, {}, {}, {})
@@ -424,7 +426,7 @@ class Lane:
             before, after = batch.before[shard], batch.after[shard]
             cursor = persisted_cursor(before, after, batch.hi[shard], shard_rows)
             if cursor is not None:
-                writes.append(CursorWrite(shard, batch.fences[shard], cursor))
+                writes.append(CursorWrite(shard, batch.fences[shard], cursor, batch.epoch))
             if not all(ok for _, ok in shard_rows):
                 retry[shard] = ShardState(before.fence, cursor or before.cursor)
         return writes, retry
@@ -487,6 +489,9 @@ class Lane:
         if not reads:
             return _EMPTY
         limit = self._deps.config.batch_size
+        # Opened before the claim: its cursors are written through this connection or not
+        # at all (CursorWrite.epoch: a reopened one may reach a server that lost xids).
+        epoch = await self.mark_store.connected()
         claim = await store.claim_batch(
             reads, limit, hold=self._deps.config.on_dead_letter == "hold"
         )
@@ -506,7 +511,7 @@ class Lane:
         )
         hi = {r.shard: r.cursor.hi or claim.snapshot for r in reads}
         events = [e for e in claim.events if e.shard in after]
-        return _Batch(events, fences, before, after, hi)
+        return _Batch(events, fences, before, after, hi, epoch)
 
     def _reset_epoch(self) -> None:
         """The claim connection was reopened: the database may have crashed or failed over
@@ -816,15 +821,19 @@ class Lane:
         self, stage: str, call: Callable[[], Awaitable[_T]], event: ClaimedEvent
     ) -> _T | None:
         """Retry a write after a successful send until it lands (C04). Gives up only when
-        stopping, after the third attempt (the rows are then simply sent again later)."""
+        stopping, after the third attempt (the rows are then simply sent again later).
+        While it fails, health is down (part ``persists``, one WARNING when it goes down and
+        one when it works again; each attempt at DEBUG): the lane claims nothing meanwhile."""
         attempt = 0
+        health = self._deps.health
         while True:
             try:
-                return await call()
+                result = await call()
             except StoreError as exc:
                 attempt += 1
                 m.RETRIES.labels(stage=stage).inc()
-                log.warning(
+                health.down("persists", str(exc))
+                log.debug(
                     "%s failed, retrying: %s",
                     stage,
                     exc,
@@ -837,6 +846,10 @@ class Lane:
                 if self._deps.stop.is_set() and attempt >= 3:
                     return None
                 await asyncio.sleep(self._deps.backoff.delay_s(attempt))
+                continue
+            if attempt:
+                health.up("persists")
+            return result
 
 
 def _handled(

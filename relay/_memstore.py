@@ -153,6 +153,10 @@ class InMemoryRelayStore:
         """Always 1: the "connection" never drops."""
         return 1
 
+    async def connected(self) -> int:
+        """:attr:`epoch`: there is nothing to open."""
+        return self.epoch
+
     # -- the write side and inspection (what the producer and an operator do) ---------------
 
     def add(self, event: EventEnvelope) -> int:
@@ -313,7 +317,9 @@ class InMemoryRelayStore:
         outcomes: dict[int, PersistOutcome] = {}
         for write in cursors:
             lease = t.leases.get(write.shard)
-            if lease is None or lease.fence != write.fence or lease.owner != self.member_id:
+            if write.epoch is not None and write.epoch != self.epoch:
+                outcomes[write.shard] = PersistOutcome.RECHECK  # as the SQL store's rule
+            elif lease is None or lease.fence != write.fence or lease.owner != self.member_id:
                 outcomes[write.shard] = PersistOutcome.LOST
             elif lease.refused is not None or self._ahead(write.cursor.hi or write.cursor.lo):
                 outcomes[write.shard] = PersistOutcome.RECHECK

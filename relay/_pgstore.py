@@ -761,6 +761,12 @@ class PgRelayStore:
         """Connections opened so far (see :attr:`RelayStore.epoch`)."""
         return self._epoch
 
+    async def connected(self) -> int:
+        """Open the connection if it is not open; return :attr:`epoch` (see
+        :meth:`RelayStore.connected`). Raises StoreError when it cannot be opened."""
+        await self._connection()
+        return self._epoch
+
     def _q(self, template: LiteralString) -> sql.Composed:
         return sql.SQL(template).format(**self._names)
 
@@ -1013,6 +1019,24 @@ class PgRelayStore:
         if not cursors:
             return {}
         await self._connection()
+        # No await from here to the statement: the connection checked is the one it runs on.
+        reopened = [c for c in cursors if c.epoch is not None and c.epoch != self._epoch]
+        if reopened:
+            log.warning(
+                "%d cursors of shards %s not persisted: the database connection was reopened"
+                " since their claim (the server may have restarted or failed over and given"
+                " their transaction ids out again); their events are read again and sent again",
+                len(reopened),
+                ",".join(str(c.shard) for c in reopened),
+            )
+            stale = {c.shard for c in reopened}
+            cursors = [c for c in cursors if c.shard not in stale]
+            dead = [d for d in dead if d.shard not in stale]
+            held = [h for h in held if h[1] not in stale]
+            if not cursors:
+                return dict.fromkeys(stale, PersistOutcome.RECHECK)
+        else:
+            stale = set()
         params: dict[str, Any] = {
             "me": self.me,
             "sysid": self._sysid,
@@ -1039,7 +1063,8 @@ class PgRelayStore:
                 if held:
                     await self._in(conn, PERSIST_HELD, {"ok": ok, "ids": _ints(i for i, _ in held)})
         outcomes = {c.shard: PersistOutcome.OK for c in cursors if c.shard in written}
-        if len(outcomes) < len(cursors):
+        outcomes.update(dict.fromkeys(stale, PersistOutcome.RECHECK))
+        if len(outcomes) < len(cursors) + len(stale):
             missing = [c for c in cursors if c.shard not in written]
             diag = {
                 "me": self.me,

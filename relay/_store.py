@@ -146,11 +146,21 @@ class Claim:
 
 @dataclass(frozen=True, slots=True)
 class CursorWrite:
-    """One shard's cursor to persist under the fence the shard is held with."""
+    """One shard's cursor to persist under the fence the shard is held with.
+
+    ``epoch``: the persisting store's :attr:`RelayStore.epoch` when the claim that produced
+    the cursor ran (its connection open then: :meth:`RelayStore.connected`). The cursor is
+    written only while that same connection is the one open: a connection reopened since
+    may reach a server that restarted after a crash or a promoted standby, where the
+    transaction ids the cursor's snapshot counts as finished can be given out again, and a
+    cursor written there would skip the rows of those new transactions (an adversarial
+    review, 2026-12-05). ``None``: not checked (stores whose connection never drops).
+    """
 
     shard: int
     fence: int
     cursor: Cursor
+    epoch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +239,8 @@ class PersistOutcome(enum.Enum):
     #: the new owner, with the same event ids).
     LOST = "lost"
     #: Not written: the database is not the one the cursor was read from (another cluster,
-    #: a counter behind the cursor) or the shard is refused; the relay reads it again with
+    #: a counter behind the cursor, a connection reopened since the claim:
+    #: :attr:`CursorWrite.epoch`) or the shard is refused; the relay reads it again with
     #: :meth:`RelayStore.open_shards`, which validates it.
     RECHECK = "recheck"
 
@@ -352,6 +363,10 @@ class RelayStore(Protocol):
         using them, the database may have crashed or failed over: the relay discards what
         it holds in memory and reads the cursors again (:meth:`open_shards`)."""
 
+    async def connected(self) -> int:
+        """Open the connection if it is not open; return :attr:`epoch` (the persist
+        connection's, stamped on the cursors of a claim: :class:`CursorWrite`)."""
+
     # -- leases and membership ---------------------------------------------------------------
 
     async def ensure_leases(self, shard_count: int) -> None:
@@ -416,7 +431,8 @@ class RelayStore(Protocol):
         3`` while an earlier row of their key is dead-lettered, else stamped with this
         transaction's id so they are read again) in ONE transaction, fenced: only shards
         still owned under the given fences are written, and only on the database the
-        cursors belong to. May commit asynchronously: a lost persist only makes the relay
+        cursors belong to, through the connection open when their claim ran
+        (:attr:`CursorWrite.epoch`). May commit asynchronously: a lost persist only makes the relay
         send the same events again (same event ids)."""
 
     # -- the hot path ----------------------------------------------------------------------

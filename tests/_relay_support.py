@@ -75,6 +75,9 @@ class DelegatingStore:
     def epoch(self) -> int:
         return self.inner.epoch
 
+    async def connected(self) -> int:
+        return await self.inner.connected()
+
     async def open_shards(
         self, held: Sequence[tuple[int, int]], *, release_held: bool = False
     ) -> list[OpenedShard]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -25,8 +26,9 @@ from psycopg import sql as psycopg_sql
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
+from ledgerbox._core.faults import Fault
 from ledgerbox.outbox import shard_of
-from ledgerbox.relay import KafkaPublisher, OutboundRecord, Relay
+from ledgerbox.relay import KafkaPublisher, OutboundRecord, Relay, StoreError
 from ledgerbox.relay._pgstore import CLAIM_BATCH_HOLD, PgRelayStore, claim_params, pg_store_factory
 from ledgerbox.relay._store import (
     Claim,
@@ -637,3 +639,177 @@ async def test_a_large_range_drains_through_id_list_pages_in_id_order(
     (store,) = counting
     assert store.listed == 2, "16,000 ids per list: two lists for the 19,000 after page one"
     assert store.claims <= 25, store.claims  # 20 pages, plus the other tests' leftovers
+
+
+# --------------------------------------------------------------------------- reopened connection
+
+
+async def test_a_cursor_is_never_persisted_through_a_connection_reopened_since_its_claim(
+    engine: Engine, database_url: str
+) -> None:
+    """A crash with unflushed WAL, or a failover to a standby that lags, gives transaction
+    ids out again that a claim's snapshot counted as finished. A cursor claimed before and
+    written after it - through the persist connection, reopened by its retry - made the
+    rows of those new transactions look published: an adversarial review (2026-12-05)
+    lost an event so on a promoted lagging copy, and after `pg_ctl stop -m immediate`.
+    The persist connection dropping after the claim stands for both here: the retried
+    persist must refuse the cursor (the shard is read again from its lease row)."""
+    rs.reset_relay_tables(engine)
+    writer = rs.writer_for("reopened")
+    (key,) = _keys_on(44, 1, prefix="ro-")  # a shard no other test of the module uses
+    rs.stage(engine, writer, [rs.event(writer, key, i) for i in range(3)])
+    config = rs.config(database_url, "unused:9092")
+    claims, persists = PgRelayStore(config, "test"), PgRelayStore(config, "mark-test")
+    try:
+        await claims.ensure_leases(64)
+        ((_, fence),) = await claims.acquire_shards(1, 30.0, lo=44, hi=44)
+        (opened,) = await claims.open_shards([(44, fence)])
+        assert opened.cursor is not None
+        epoch = await persists.connected()
+        claim = await claims.claim_batch([ShardRead(44, opened.cursor)], 100, hold=False)
+        assert len(claim.events) == 3
+        pid = (await persists._connection()).info.backend_pid
+        with engine.begin() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        write = CursorWrite(44, fence, Cursor(claim.snapshot), epoch)
+        with pytest.raises(StoreError):
+            await persists.persist([write])
+        assert await persists.persist([write]) == {44: PersistOutcome.RECHECK}
+        with engine.connect() as conn:
+            lo = conn.execute(
+                text("SELECT lo::text FROM outbox_relay_lease WHERE shard = 44")
+            ).scalar_one()
+        assert lo == opened.cursor.lo, "the cursor of the claim before the drop is not written"
+        # Claimed after the reconnect: written.
+        again = await persists.connected()
+        assert again == epoch + 1
+        write = CursorWrite(44, fence, Cursor(claim.snapshot), again)
+        assert await persists.persist([write]) == {44: PersistOutcome.OK}
+    finally:
+        await claims.aclose()
+        await persists.aclose()
+
+
+class _DropsBeforeFirstPersist(DelegatingStore):
+    """The persist store whose connection drops once, after a claim, before its persist."""
+
+    def __init__(self, inner: PgRelayStore, engine: Engine) -> None:
+        super().__init__(inner)
+        self.pg, self.engine, self.dropped = inner, engine, False
+
+    async def persist(
+        self,
+        cursors: Sequence[CursorWrite],
+        dead: Sequence[DeadLetter] = (),
+        held: Sequence[tuple[int, int]] = (),
+    ) -> dict[int, PersistOutcome]:
+        if not self.dropped:
+            self.dropped = True
+            pid = (await self.pg._connection()).info.backend_pid
+            with self.engine.begin() as conn:
+                conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        return await super().persist(cursors, dead, held)
+
+
+async def test_the_relay_sends_a_batch_again_when_its_persist_connection_was_reopened(
+    engine: Engine, database_url: str
+) -> None:
+    """The daemon's side of the rule above: the lane stamps its cursors with the persist
+    connection it opened before the claim, the retried persist refuses them, the shard is
+    read again from its lease row and its events are sent again (same event ids): never
+    a cursor written across the drop."""
+    rs.reset_relay_tables(engine)
+    writer = rs.writer_for("reopened-lane")
+    (key,) = _keys_on(33, 1, prefix="rl-")
+    rs.stage(engine, writer, [rs.event(writer, key, i) for i in range(3)])
+    publisher = InMemoryPublisher()
+    config = rs.config(database_url, "unused:9092", lanes=1)
+    dropping: list[_DropsBeforeFirstPersist] = []
+
+    def factory(role: str) -> RelayStore:
+        store = pg_store_factory(config)(role)
+        if role == "mark":
+            assert isinstance(store, PgRelayStore)
+            dropping.append(_DropsBeforeFirstPersist(store, engine))
+            return dropping[-1]
+        return store
+
+    relay = Relay(config, publisher=publisher, store_factory=factory)
+    try:
+        assert await relay.run_once() == 0, "sent, its cursor refused: none counted published"
+        while await relay.run_once():
+            pass
+    finally:
+        await relay.aclose()
+    assert dropping and dropping[0].dropped
+    sent = [r for r in publisher.records if r.topic == "reopened-lane"]
+    assert _seqs(sent, key.encode()) == [0, 1, 2, 0, 1, 2], "sent again after the refusal"
+    assert rs.pending_count(engine) == 0
+
+
+class _PersistRefused(DelegatingStore):
+    """A persist store whose writes fail (a revoked UPDATE grant) until ``allowed`` is set."""
+
+    def __init__(self, inner: RelayStore) -> None:
+        super().__init__(inner)
+        self.allowed = asyncio.Event()
+        self.failures = 0
+
+    async def persist(
+        self,
+        cursors: Sequence[CursorWrite],
+        dead: Sequence[DeadLetter] = (),
+        held: Sequence[tuple[int, int]] = (),
+    ) -> dict[int, PersistOutcome]:
+        if not self.allowed.is_set():
+            self.failures += 1
+            raise StoreError(
+                "persist failed: InsufficientPrivilege (SQLSTATE 42501): permission denied",
+                fault=Fault.ENVIRONMENT,
+                sqlstate="42501",
+            )
+        return await super().persist(cursors, dead, held)
+
+
+async def test_health_is_down_while_persists_fail(
+    engine: Engine, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Claims work, every persist fails (the relay role lost UPDATE on the outbox): the lane
+    waits for its persist and claims nothing. Health said ok meanwhile and the log had one
+    WARNING per attempt (an adversarial review, 2026-12-05); now health is down naming the
+    cause, one WARNING when it goes down and one when it works again."""
+    rs.reset_relay_tables(engine)
+    writer = rs.writer_for("persist-refused")
+    (key,) = _keys_on(35, 1, prefix="pr-")
+    rs.stage(engine, writer, [rs.event(writer, key, i) for i in range(3)])
+    config = rs.config(database_url, "unused:9092", lanes=1)
+    refusing: list[_PersistRefused] = []
+
+    def factory(role: str) -> RelayStore:
+        store = pg_store_factory(config)(role)
+        if role == "mark":
+            refusing.append(_PersistRefused(store))
+            return refusing[-1]
+        return store
+
+    publisher = InMemoryPublisher()
+    relay = Relay(config, publisher=publisher, store_factory=factory)
+    try:
+        running = asyncio.create_task(relay.run_once())
+        deadline = time.monotonic() + 20
+        while refusing[0].failures < 3:
+            assert time.monotonic() < deadline, "the persist was not retried"
+            await asyncio.sleep(0.05)
+        report = relay.health()
+        assert report.state == "down", report
+        assert report.cause is not None and report.cause.startswith("persists: ")
+        assert "42501" in report.cause
+        refusing[0].allowed.set()
+        assert await asyncio.wait_for(running, 30) == 3
+        assert relay.health().state == "ok"
+    finally:
+        await relay.aclose()
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    down = [line for line in lines if "down: persists: " in line]
+    assert len(down) == 1, lines
+    assert sum("persists ok again after" in line for line in lines) == 1, lines
