@@ -21,10 +21,11 @@ log = logging.getLogger("ledgerbox.relay")
 
 #: Who reports: the producer ("kafka"), the heartbeat ("leases": the lease and member
 #: tables) and the lanes ("claims": the outbox table; "persists": writing the cursors, dead
-#: and held rows after Kafka confirmed a batch). Each reports its own state, so one part
+#: and held rows after Kafka confirmed a batch; "shards": shards refused after a restore,
+#: until `relay rebase`). Each reports its own state, so one part
 #: working never hides another one failing (claims that work while every persist fails
 #: left the lane stuck with health ok: an adversarial review, 2026-12-05).
-Part = Literal["kafka", "leases", "claims", "persists"]
+Part = Literal["kafka", "leases", "claims", "persists", "shards"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -549,6 +549,19 @@ class Lane:
                 )
             cursors.refused[opened.shard] = (opened.fence, reason)
         m.REFUSED_SHARDS.set(len(cursors.refused))
+        if cursors.refused:
+            # Down while a shard is refused (it stays so until `relay rebase`): a relay that
+            # publishes nothing of those shards must not look healthy (an adversarial
+            # review, 2026-12-05: 64 shards refused, health ok).
+            shards = sorted(cursors.refused)
+            first = cursors.refused[shards[0]][1]
+            self._deps.health.down(
+                "shards",
+                f"{len(shards)} shards refused (shard {shards[0]}: {first}); stop the relays"
+                " and run `ledgerbox relay rebase` (docs/relay.md, 'Restore and rebase')",
+            )
+        else:
+            self._deps.health.up("shards")
 
     async def _list_ids(self, shards: list[int], states: dict[int, ShardState]) -> None:
         """Give every open range of ``shards`` that has none a list of its next ids (one

@@ -427,6 +427,11 @@ async def test_cleanup_never_deletes_by_a_refused_cursor(engine: Engine, databas
         for _ in range(3):
             assert await relay.run_once() == 0, "refused: nothing published"
         assert relay.is_leader()
+        # And the daemon says so (its health was ok: the same review).
+        report = relay.health()
+        assert report.state == "down", report
+        assert report.cause is not None and report.cause.startswith("shards: 64 shards refused")
+        assert "ledgerbox relay rebase" in report.cause
         # Past the retention (default 7 days): the rows and a tick taken after them are old.
         with engine.begin() as conn:
             conn.execute(text("UPDATE outbox SET created_at = created_at - interval '8 days'"))
