@@ -348,12 +348,9 @@ class KafkaRunner:
                 ) from exc
             if not batches and (failure := client_failure(kafka)) is not None:
                 raise KafkaClientFailed(failure, "fetch_task_died")
-            if time.monotonic() >= next_lag:
-                next_lag = time.monotonic() + LAG_REFRESH_S
-                await self.refresh_lag(kafka)
-                if (stall := self.fetch_stall(kafka)) is not None:
-                    self._stall_bound_s = min(2 * self._stall_bound_s, FETCH_STALL_MAX_S)
-                    raise KafkaClientFailed(stall, "no_fetch_response")
+            # Fed before any await: a partition revoked and assigned back while this loop
+            # waited would get a new worker, fed records fetched for the old assignment
+            # (an adversarial review, 2026-12-05, with a stand-in client).
             for tp, records in batches.items():
                 worker = self.workers.get(tp)
                 if worker is None or worker.closing:
@@ -364,10 +361,18 @@ class KafkaRunner:
                     self.paused.add(tp)
             for tp in list(self.paused):
                 worker = self.workers.get(tp)
-                if worker is None or len(worker.queue) < high // 2:
+                # max(1, ...): with max_buffered_records 1 a paused partition never resumed
+                # (queue < 0), health ok (the same review).
+                if worker is None or len(worker.queue) < max(1, high // 2):
                     self.paused.discard(tp)
                     if worker is not None:
                         kafka.resume(tp)
+            if time.monotonic() >= next_lag:
+                next_lag = time.monotonic() + LAG_REFRESH_S
+                await self.refresh_lag(kafka)
+                if (stall := self.fetch_stall(kafka)) is not None:
+                    self._stall_bound_s = min(2 * self._stall_bound_s, FETCH_STALL_MAX_S)
+                    raise KafkaClientFailed(stall, "no_fetch_response")
             for worker in self.workers.values():
                 if worker.task.done() and not worker.closing:
                     worker.task.result()  # a bug in the pipeline: surface it

@@ -748,3 +748,31 @@ async def test_a_commit_hanging_on_the_failed_client_does_not_hold_its_replaceme
     assert len(payment_rows(engine, group)) == 11
     assert_replaced_once(caplog, group, "its fetch task died: RuntimeError")
     assert_closed(first_client)
+
+
+async def test_a_buffer_of_one_record_pauses_and_resumes_its_partition(
+    database_url: str, engine: Engine, kafka_bootstrap: str, new_topic: Any, running: Any
+) -> None:
+    """``max_buffered_records=1`` (accepted by the config): the fetch loop paused the
+    partition at one queued record and resumed it only below ``1 // 2 == 0``: never. The
+    partition was never fetched again and health stayed ok (an adversarial review,
+    2026-12-05: 1 of 6 records applied)."""
+    topic = await new_topic.acreate("inbox-buffer-one", partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    await produce(kafka_bootstrap, topic, [order_event(topic, "b0")])
+    await running(
+        make_consumer(database_url, kafka_bootstrap, topic, group, max_buffered_records=1)
+    )
+
+    async def applied(n: int) -> bool:
+        return len(payment_rows(engine, group)) == n
+
+    await poll(lambda: applied(1), "the first record applied")
+    for i in range(1, 6):
+        await produce(kafka_bootstrap, topic, [order_event(topic, f"b{i}")])
+    await poll(lambda: applied(6), "all six records applied", within_s=30)
+
+    async def all_committed() -> bool:
+        return await committed(kafka_bootstrap, group, topic) == 6
+
+    await poll(all_committed, "the offsets of all six committed", within_s=30)
