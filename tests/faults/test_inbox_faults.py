@@ -407,7 +407,9 @@ def c11_app() -> InboxConsumer:
         env["INBOX_FAULT_GROUP"],
         redis_url=env["INBOX_FAULT_REDIS_URL"],
         redis_key_prefix=env["INBOX_FAULT_PREFIX"],
-        in_progress_ttl_ms=1500,
+        # The default (5 s): the test reads worker 1's in-progress key after seeing it in
+        # its handler; with 1.5 s the key expired first on a loaded machine (1 run in 3).
+        in_progress_ttl_ms=5000,
     )
 
 
