@@ -62,10 +62,15 @@ class RelayHealth:
         self._relay_id = relay_id
         self._clock = clock
         self._down: dict[Part, tuple[float, str]] = {}
+        self._failing: dict[Part, set[object]] = {}
         m.UP.set(1)
 
-    def down(self, part: Part, cause: str) -> None:
-        """``part`` failed with ``cause``; logs once when the part goes down (WARNING)."""
+    def down(self, part: Part, cause: str, *, who: object = None) -> None:
+        """``part`` failed with ``cause``; logs once when the part goes down (WARNING).
+        ``who``: one of several reporters of the part (a lane): the part stays down until
+        each of them that reported a failure reported :meth:`up`."""
+        if who is not None:
+            self._failing.setdefault(part, set()).add(who)
         if part in self._down:
             since, _ = self._down[part]
             self._down[part] = (since, cause)
@@ -75,8 +80,14 @@ class RelayHealth:
         m.UP.set(0)
         log.warning("relay %s down: %s: %s", self._relay_id, part, cause)
 
-    def up(self, part: Part) -> None:
-        """``part`` works again; logs once when it comes back (WARNING, with the duration)."""
+    def up(self, part: Part, *, who: object = None) -> None:
+        """``part`` works again; logs once when it comes back (WARNING, with the duration).
+        With ``who``: only once no other reporter of the part is still failing."""
+        if who is not None:
+            failing = self._failing.get(part, set())
+            failing.discard(who)
+            if failing:
+                return
         outage = self._down.pop(part, None)
         if outage is None:
             return

@@ -835,8 +835,11 @@ class Lane:
     ) -> _T | None:
         """Retry a write after a successful send until it lands (C04). Gives up only when
         stopping, after the third attempt (the rows are then simply sent again later).
-        While it fails, health is down (part ``persists``, one WARNING when it goes down and
-        one when it works again; each attempt at DEBUG): the lane claims nothing meanwhile."""
+        While it fails, health is down (part ``persists``, until every lane whose persist
+        failed has written again; one WARNING when it goes down and one when it works again,
+        each attempt at DEBUG). A lane whose persist runs in the background goes on claiming
+        and sending meanwhile, its cursors queued; on the synchronous path (dead-lettered or
+        held rows, ``run_once``, a stop) it waits."""
         attempt = 0
         health = self._deps.health
         while True:
@@ -845,7 +848,7 @@ class Lane:
             except StoreError as exc:
                 attempt += 1
                 m.RETRIES.labels(stage=stage).inc()
-                health.down("persists", str(exc))
+                health.down("persists", str(exc), who=self.index)
                 log.debug(
                     "%s failed, retrying: %s",
                     stage,
@@ -861,7 +864,7 @@ class Lane:
                 await asyncio.sleep(self._deps.backoff.delay_s(attempt))
                 continue
             if attempt:
-                health.up("persists")
+                health.up("persists", who=self.index)
             return result
 
 

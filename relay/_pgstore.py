@@ -24,10 +24,12 @@ compared with each other.
 from __future__ import annotations
 
 import array
+import asyncio
 import contextlib
 import datetime
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, LiteralString
 
@@ -692,6 +694,9 @@ WHERE shard = %(shard)s
 
 SYSTEM_ID: LiteralString = "SELECT system_identifier FROM pg_control_system()"
 
+#: :meth:`PgRelayStore.connected` pings a connection idle for longer than this (s).
+CONNECTED_CHECK_S = 1.0
+
 #: The wake gate (docs/relay.md "Wake gate"): take it EXCLUSIVE without waiting; if that
 #: failed, probe whether another session holds it EXCLUSIVE: a SHARE try fails only then
 #: (writers hold it in SHARE mode; advisory locks belong to this database, pg_locks would
@@ -755,6 +760,8 @@ class PgRelayStore:
         self._epoch = 0
         self._sysid = 0
         self._rendered: dict[str, bytes] = {}
+        self._used_at = 0.0  # time.monotonic() of the last statement started
+        self._opening = asyncio.Lock()  # one connect at a time (a claim's and a persist's)
 
     @property
     def epoch(self) -> int:
@@ -763,7 +770,16 @@ class PgRelayStore:
 
     async def connected(self) -> int:
         """Open the connection if it is not open; return :attr:`epoch` (see
-        :meth:`RelayStore.connected`). Raises StoreError when it cannot be opened."""
+        :meth:`RelayStore.connected`). A connection idle for more than
+        :data:`CONNECTED_CHECK_S` is pinged first: one the server closed meanwhile
+        (``idle_session_timeout``, a proxy's idle timeout) is replaced now, before the
+        claim, not found by the persist (whose cursors it would then refuse: every sparse
+        event sent twice; a review, 2026-12-05). Raises StoreError when it cannot be opened."""
+        conn = self._conn
+        idle_s = time.monotonic() - self._used_at
+        if conn is not None and not conn.closed and idle_s > CONNECTED_CHECK_S:
+            with contextlib.suppress(StoreError):
+                await self.ping()  # a broken connection is dropped: reopened below
         await self._connection()
         return self._epoch
 
@@ -798,6 +814,13 @@ class PgRelayStore:
         return " ".join(o for o in options if o)
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
+        self._used_at = time.monotonic()
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        async with self._opening:
+            return await self._open()
+
+    async def _open(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None or self._conn.closed:
             try:
                 conn = await psycopg.AsyncConnection.connect(

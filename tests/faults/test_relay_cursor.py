@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from ledgerbox._core.faults import Fault
 from ledgerbox.outbox import shard_of
 from ledgerbox.relay import KafkaPublisher, OutboundRecord, Relay, StoreError
+from ledgerbox.relay import _pgstore as pgstore
 from ledgerbox.relay._pgstore import CLAIM_BATCH_HOLD, PgRelayStore, claim_params, pg_store_factory
 from ledgerbox.relay._store import (
     Claim,
@@ -813,3 +814,23 @@ async def test_health_is_down_while_persists_fail(
     down = [line for line in lines if "down: persists: " in line]
     assert len(down) == 1, lines
     assert sum("persists ok again after" in line for line in lines) == 1, lines
+
+
+async def test_an_idle_persist_connection_closed_by_the_server_is_replaced_before_the_claim(
+    engine: Engine, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server closes the idle persist connection (``idle_session_timeout``, a proxy):
+    ``connected()`` saw it open, the claim's cursors got its epoch, the persist found it
+    broken and its retry refused them: every sparse event was sent twice (a review,
+    2026-12-05). A connection idle for longer than CONNECTED_CHECK_S is now pinged first."""
+    monkeypatch.setattr(pgstore, "CONNECTED_CHECK_S", 0.0)
+    persists = PgRelayStore(rs.config(database_url, "unused:9092"), "mark-idle")
+    try:
+        epoch = await persists.connected()
+        pid = (await persists._connection()).info.backend_pid
+        with engine.begin() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        await asyncio.sleep(0.05)
+        assert await persists.connected() == epoch + 1, "replaced before the claim"
+    finally:
+        await persists.aclose()
