@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from aiokafka.errors import MessageSizeTooLargeError
@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from ledgerbox._core.faults import Fault
 from ledgerbox.outbox import shard_of
-from ledgerbox.relay import KafkaPublisher, OutboundRecord, Relay, StoreError
+from ledgerbox.relay import KafkaPublisher, OutboundRecord, Relay, RelayConfig, StoreError
 from ledgerbox.relay import _pgstore as pgstore
 from ledgerbox.relay._pgstore import CLAIM_BATCH_HOLD, PgRelayStore, claim_params, pg_store_factory
 from ledgerbox.relay._store import (
@@ -582,6 +582,26 @@ async def test_c14_cleanup_deletes_only_what_every_cursor_passed(
 # --------------------------------------------------------------------------- large range
 
 
+_W = TypeVar("_W", bound=RelayStore)
+
+
+def _wrapping(
+    config: RelayConfig, role: str, wrap: Callable[[RelayStore], _W]
+) -> tuple[Callable[[str], RelayStore], list[_W]]:
+    """A store factory for ``Relay(store_factory=...)``: the relay's own PostgreSQL stores,
+    the one of ``role`` wrapped by ``wrap``; the wrapped stores are listed as they are made."""
+    wrapped: list[_W] = []
+
+    def factory(name: str) -> RelayStore:
+        store = pg_store_factory(config)(name)
+        if name != role:
+            return store
+        wrapped.append(wrap(store))
+        return wrapped[-1]
+
+    return factory, wrapped
+
+
 class _CountingStore(DelegatingStore):
     def __init__(self, inner: RelayStore) -> None:
         super().__init__(inner)
@@ -619,15 +639,7 @@ async def test_a_large_range_drains_through_id_list_pages_in_id_order(
         )
     publisher = InMemoryPublisher()
     config = rs.config(database_url, "unused:9092", lanes=1, batch_size=1000)
-    counting: list[_CountingStore] = []
-
-    def factory(role: str) -> RelayStore:
-        store = pg_store_factory(config)(role)
-        if role == "main":
-            counting.append(_CountingStore(store))
-            return counting[-1]
-        return store
-
+    factory, counting = _wrapping(config, "main", _CountingStore)
     relay = Relay(config, publisher=publisher, store_factory=factory)
     try:
         while await relay.run_once():
@@ -694,8 +706,9 @@ async def test_a_cursor_is_never_persisted_through_a_connection_reopened_since_i
 class _DropsBeforeFirstPersist(DelegatingStore):
     """The persist store whose connection drops once, after a claim, before its persist."""
 
-    def __init__(self, inner: PgRelayStore, engine: Engine) -> None:
+    def __init__(self, inner: RelayStore, engine: Engine) -> None:
         super().__init__(inner)
+        assert isinstance(inner, PgRelayStore)
         self.pg, self.engine, self.dropped = inner, engine, False
 
     async def persist(
@@ -725,16 +738,9 @@ async def test_the_relay_sends_a_batch_again_when_its_persist_connection_was_reo
     rs.stage(engine, writer, [rs.event(writer, key, i) for i in range(3)])
     publisher = InMemoryPublisher()
     config = rs.config(database_url, "unused:9092", lanes=1)
-    dropping: list[_DropsBeforeFirstPersist] = []
-
-    def factory(role: str) -> RelayStore:
-        store = pg_store_factory(config)(role)
-        if role == "mark":
-            assert isinstance(store, PgRelayStore)
-            dropping.append(_DropsBeforeFirstPersist(store, engine))
-            return dropping[-1]
-        return store
-
+    factory, dropping = _wrapping(
+        config, "mark", lambda store: _DropsBeforeFirstPersist(store, engine)
+    )
     relay = Relay(config, publisher=publisher, store_factory=factory)
     try:
         assert await relay.run_once() == 0, "sent, its cursor refused: none counted published"
@@ -784,15 +790,7 @@ async def test_health_is_down_while_persists_fail(
     (key,) = _keys_on(35, 1, prefix="pr-")
     rs.stage(engine, writer, [rs.event(writer, key, i) for i in range(3)])
     config = rs.config(database_url, "unused:9092", lanes=1)
-    refusing: list[_PersistRefused] = []
-
-    def factory(role: str) -> RelayStore:
-        store = pg_store_factory(config)(role)
-        if role == "mark":
-            refusing.append(_PersistRefused(store))
-            return refusing[-1]
-        return store
-
+    factory, refusing = _wrapping(config, "mark", _PersistRefused)
     publisher = InMemoryPublisher()
     relay = Relay(config, publisher=publisher, store_factory=factory)
     try:
