@@ -11,7 +11,7 @@ Pure: no I/O; the message never shows the URL (it may hold a password).
 
 from __future__ import annotations
 
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 from ledgerbox._core.errors import ConfigurationError
 
@@ -45,15 +45,11 @@ def check_redis_url(url: str, setting: str = "redis_url") -> None:
             f"{setting} has a port that is not a TCP port (an integer in 1..65535): give {_FORM}",
             setting=setting,
         )
-    databases = [v for k, v in parse_qsl(split.query) if k == "db"]
-    if scheme.lower() == "unix":
-        if not split.path:
-            raise ConfigurationError(
-                f"{setting} names no socket path: give unix:///path/redis.sock", setting=setting
-            )
-    elif split.path not in ("", "/"):
-        databases.append(unquote(split.path).lstrip("/"))
-    for db in databases:
+    if scheme.lower() == "unix" and not split.path:
+        raise ConfigurationError(
+            f"{setting} names no socket path: give unix:///path/redis.sock", setting=setting
+        )
+    for db in _databases(split):
         if not db.isdigit():
             raise ConfigurationError(
                 f"{setting} has a database that is not an integer (the path /0 or ?db=0)",
@@ -81,12 +77,22 @@ def redis_label(url: str) -> str:
     except ValueError:
         return "(redis)"
     scheme = split.scheme.lower()
-    databases = [v for k, v in parse_qsl(split.query) if k == "db"]
+    databases = _databases(split)
     if scheme == "unix":
         return f"{split.path or '(redis)'}{f' db {databases[0]}' if databases else ''}"
     if not host:
         host = "localhost"
     if ":" in host:  # IPv6
         host = f"[{host}]"
-    db = unquote(split.path).lstrip("/") or (databases[0] if databases else "0")
+    db = databases[0] if databases else "0"
     return f"{host}:{port or 6379}/{db}{' +TLS' if scheme == 'rediss' else ''}"
+
+
+def _databases(split: SplitResult) -> list[str]:
+    """The databases a Redis URL names, as written: its path's (``/3``; a ``unix://`` path
+    is the socket), then each ``?db=``."""
+    path = split.path
+    named = (
+        [] if split.scheme.lower() == "unix" or path in ("", "/") else [unquote(path).lstrip("/")]
+    )
+    return named + [v for k, v in parse_qsl(split.query) if k == "db"]
